@@ -1,0 +1,198 @@
+"""memra's command line: ``memra generate | chat | inspect | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .hub import DEFAULT_MODEL, MODELS
+
+__all__ = ["main"]
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model key ({', '.join(MODELS)}) or path to a .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="CPU compute dtype")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="print the top-N logprobs of each token")
+
+
+def _params(a: argparse.Namespace, **over):
+    from .engine.sampling import SamplingParams
+
+    kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+              repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+              frequency_penalty=a.frequency_penalty, seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_id,
+              ignore_eos=a.ignore_eos, logprobs=getattr(a, "logprobs", None))
+    kw.update(over)
+    return SamplingParams(**kw)
+
+
+def _load(a: argparse.Namespace):
+    from .engine.llm import LLM
+
+    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty() or True)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    params = _params(a)
+    llm = _load(a)
+    prompt = a.prompt
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True)
+        prompt = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    if params.logprobs is not None:
+        out = llm.generate([prompt], params)[0].outputs[0]
+        print(out.text)
+        for tok, lp, top in out.logprobs:
+            alts = ", ".join(f"{llm.tokenizer.decode([i])!r}:{v:.3f}" for i, v in top)
+            print(f"{llm.tokenizer.decode([tok])!r}\t{lp:.4f}\t{alts}")
+        return 0
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = llm.last_metrics
+    if a.verbose:
+        print(f"[prompt {m['prompt_tokens']} tok in {m['prefill_s']:.3f} s; {m['decode_tokens']} decode steps in "
+              f"{m['decode_s']:.3f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    llm = _load(a)
+    if llm.tokenizer.chat_template is None:
+        print(f"error: model {a.model!r} has no chat template; use `memra generate`", file=sys.stderr)
+        return 2
+    messages: list[dict] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("memra chat: type a message; /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        reply = []
+        try:
+            for delta in llm.stream(ids, _params(a)):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except ValueError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from .io.summary import inspect_gguf
+
+    info = inspect_gguf(a.file)
+    if a.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(f"file        {info['path']}")
+    print(f"arch        {info['arch']}    name: {info['name']}")
+    print(f"parameters  {info['parameters']:,}")
+    print(f"bytes       {info['tensor_bytes']:,} in tensors ({info['tensor_bytes'] / 2**20:.1f} MiB), "
+          f"{info['bits_per_weight']:.2f} bits/weight")
+    print("config      " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+    print("tensor types:")
+    for t, (n, params, nbytes) in sorted(info["types"].items(), key=lambda kv: -kv[1][2]):
+        print(f"  {t:<6} {n:>5} tensors  {params:>14,} weights  {nbytes:>14,} bytes")
+    if a.metadata:
+        print("metadata:")
+        for k, v in info["metadata"].items():
+            print(f"  {k} = {v}")
+    return 0
+
+
+def cmd_bench_cpu(a: argparse.Namespace) -> int:
+    from .bench.cpu import run_cpu_bench
+
+    return run_cpu_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memra", description="memra: LLM inference engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt")
+    _add_model(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+    _add_sampling(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    _add_model(c)
+    c.add_argument("--system", default=None, help="system message")
+    _add_sampling(c)
+    c.set_defaults(func=cmd_chat, max_tokens=512)
+
+    i = sub.add_parser("inspect", help="metadata, tensor types, parameter count and bytes of a GGUF file")
+    i.add_argument("file", help="GGUF path or model key")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--metadata", action="store_true", help="also print every metadata key (arrays summarised)")
+    i.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bc = bsub.add_parser("cpu", help="decode/prefill tok/s on this CPU, side by side with llama.cpp")
+    bc.add_argument("--model", default=DEFAULT_MODEL)
+    bc.add_argument("--prompt-tokens", type=int, default=128)
+    bc.add_argument("--decode-tokens", type=int, default=64)
+    bc.add_argument("--threads", type=int, default=2)
+    bc.add_argument("--repeats", type=int, default=3)
+    bc.add_argument("--dtypes", default="float32,bfloat16")
+    bc.add_argument("--no-llamacpp", action="store_true")
+    bc.add_argument("--json-out", default=None, help="write results here (default: print only)")
+    bc.set_defaults(func=cmd_bench_cpu)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

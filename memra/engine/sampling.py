@@ -1,0 +1,170 @@
+"""Sampling parameters and the token sampler.
+
+Semantics follow the OpenAI API and vLLM, which users compare us with:
+- repetition_penalty (CTRL, Keskar et al. 2019): for every token seen in the prompt or
+  the output, a positive logit is divided by the penalty, a negative one multiplied;
+- presence_penalty / frequency_penalty (OpenAI): subtract ``presence * [count > 0] +
+  frequency * count`` over output tokens;
+- temperature 0 means greedy (argmax after penalties);
+- top_k, then top_p (nucleus, Holtzman et al. 2019), then min_p (tokens whose
+  probability is below ``min_p * max_prob`` are dropped);
+- logprobs are of the model's raw distribution (log-softmax of the logits, before
+  penalties and temperature), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler", "SampleResult"]
+
+
+@dataclass
+class SamplingParams:
+    """How to generate a completion.
+
+    Attributes:
+        n: completions per prompt (share one prefill).
+        max_tokens: most tokens to generate (>= 1).
+        temperature: >= 0; 0 is greedy.
+        top_k: keep the k most likely tokens (0 or -1: off).
+        top_p: nucleus mass in (0, 1].
+        min_p: in [0, 1).
+        repetition_penalty: > 0 (1 is off).
+        presence_penalty, frequency_penalty: in [-2, 2].
+        seed: seeds this request's generator (same seed, same tokens); None: random.
+        stop: strings that end generation when they appear in the text; not included in it.
+        stop_token_ids: token ids that end generation (in addition to the model's eos ids).
+        ignore_eos: do not stop at eos ids.
+        logprobs: return the top-n logprobs of each generated token (0..20) and the chosen one's.
+        skip_special_tokens: omit special tokens from the text.
+
+    Raises:
+        ValueError: on construction, naming the parameter that is out of range.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "an integer >= -1 (0 or -1 disables it)"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p < 1, "in [0, 1)"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0"),
+            ("presence_penalty", _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2]"),
+            ("seed", self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool),
+             "an integer or null"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "a list of token ids >= 0"),
+            ("logprobs", self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
+             "an integer in [0, 20] or null"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be {want}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class SampleResult:
+    """One sampled token: its id, its logprob, and the top-n (id, logprob) alternatives."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    """Samples one token at a time for one sequence.
+
+    Args:
+        params: the request's sampling parameters.
+        prompt_ids: prompt token ids (for the repetition penalty).
+        vocab_size: size of the logits' last dimension.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, seed_offset: int = 0):
+        self.params = params
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed + seed_offset)
+        else:
+            self.generator.seed()
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        if prompt_ids:
+            self.seen[torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+
+    def sample(self, logits: torch.Tensor) -> SampleResult:
+        """Choose the next token from fp32 ``logits`` [vocab_size] and record it."""
+        p = self.params
+        logits = logits.float()
+        result = SampleResult(-1)
+        if p.logprobs is not None:
+            raw_lp = torch.log_softmax(logits, dim=-1)
+        x = logits.clone()
+        if p.repetition_penalty != 1.0:
+            seen = self.seen | (self.counts > 0)
+            x = torch.where(seen & (x > 0), x / p.repetition_penalty, torch.where(seen, x * p.repetition_penalty, x))
+        if p.presence_penalty or p.frequency_penalty:
+            x = x - p.presence_penalty * (self.counts > 0).float() - p.frequency_penalty * self.counts
+        if p.greedy:
+            token = int(torch.argmax(x))
+        else:
+            x = x / p.temperature
+            if p.top_k > 0 and p.top_k < x.numel():
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.top_p < 1.0:
+                sp, si = torch.sort(probs, descending=True)
+                before = torch.cumsum(sp, 0) - sp  # mass strictly above each token
+                drop = before >= p.top_p
+                drop[0] = False
+                probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
+            if p.min_p > 0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        result.token = token
+        if p.logprobs is not None:
+            result.logprob = float(raw_lp[token])
+            if p.logprobs > 0:
+                v, i = torch.topk(raw_lp, p.logprobs)
+                result.top = list(zip(i.tolist(), v.tolist()))
+            else:
+                result.top = []
+        self.counts[token] += 1
+        return result

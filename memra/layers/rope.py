@@ -1,0 +1,79 @@
+"""Rotary position embedding (RoPE), NeoX / rotate-half layout, optionally partial.
+
+Su et al. 2021, "RoFormer". The first ``rotary_dim`` dims of each head are split in two
+halves (x1, x2) rotated as (x1 cos - x2 sin, x2 cos + x1 sin) with frequencies
+``theta ** (-2i / rotary_dim)``; the remaining dims pass through. Checkpoints whose
+q/k rows are stored in the interleaved (GPT-J) order are permuted at load time, so
+every model here uses this one layout.
+
+Scalings: ``linear`` divides frequencies by the factor; ``llama3`` applies Meta's
+wavelength-dependent rule (Llama 3.1 report, section on long context; same numbers as
+transformers' ``rope_type="llama3"``); per-frequency divisors from a checkpoint
+(llama.cpp ``rope_freqs``) are applied as given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import LayerConfig, RopeScaling
+
+__all__ = ["inv_frequencies", "rope_cos_sin", "apply_rope"]
+
+
+def inv_frequencies(theta: float, rotary_dim: int, scaling: RopeScaling | None = None,
+                    freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2], fp32.
+
+    Raises:
+        ValueError: unknown scaling kind, or ``freq_factors`` of the wrong length.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if freq_factors is not None:
+        f = torch.tensor(freq_factors, dtype=torch.float32)
+        if f.numel() != inv.numel():
+            raise ValueError(f"rope frequency factors have {f.numel()} entries, expected {inv.numel()}")
+        return inv / f
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    if scaling.kind == "llama3":
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unknown RoPE scaling kind {scaling.kind!r} (supported: linear, llama3)")
+
+
+def rope_key(lc: LayerConfig) -> tuple:
+    """Layers with equal keys share one cos/sin table."""
+    return (lc.rope_theta, lc.rotary_dim, lc.rope_scaling, lc.rope_freq_factors)
+
+
+def rope_cos_sin(lc: LayerConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [T, rotary_dim] for int64 ``positions`` [T] (computed in fp32)."""
+    inv = inv_frequencies(lc.rope_theta, lc.rotary_dim, lc.rope_scaling, lc.rope_freq_factors).to(positions.device)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of each head of ``x`` [T, H, D]."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    xr = x[..., :rot]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos + rotated * sin
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat([out, x[..., rot:]], dim=-1)

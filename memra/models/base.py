@@ -1,0 +1,152 @@
+"""Pieces every decoder-only model here shares: the model skeleton and weight loading.
+
+A model is ``embed -> layers -> final norm -> LM head``. Each model module (llama.py,
+gemma3.py) only says what its decoder layer computes and which checkpoint tensors feed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..config import LayerConfig, ModelConfig
+from ..io.gguf import CheckpointError, GGUFCheckpoint
+from ..layers.linear import Embedding, Linear
+from ..layers.norm import RMSNorm
+from ..layers.rope import rope_cos_sin, rope_key
+from ..quant.tensor import QTensor
+
+__all__ = ["CausalLM", "GGUFWeights", "MODEL_REGISTRY", "register_model"]
+
+MODEL_REGISTRY: dict[str, type["CausalLM"]] = {}
+
+
+def register_model(*archs: str):
+    """Class decorator: register a :class:`CausalLM` subclass under GGUF architecture names."""
+    def deco(cls):
+        for a in archs:
+            MODEL_REGISTRY[a] = cls
+        return cls
+    return deco
+
+
+class GGUFWeights:
+    """Typed access to a GGUF checkpoint's tensors with shape checks against the config.
+
+    Every accessor raises :class:`CheckpointError` naming the file, the tensor and the
+    config value the expected shape came from.
+    """
+
+    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype):
+        self.ckpt, self.config, self.dtype = ckpt, config, dtype
+
+    def q(self, name: str, shape: tuple[int, ...], why: str) -> QTensor:
+        return self.ckpt.tensor(name, shape, why=why)
+
+    def vector(self, name: str, n: int, why: str) -> torch.Tensor:
+        """A 1-D fp32 tensor of length ``n`` (norm weights, biases)."""
+        return self.q(name, (n,), why).dequantize(torch.float32)
+
+    def linear(self, names: list[str], out_sizes: list[int], in_size: int, why: str,
+               bias: bool = False) -> Linear:
+        """One Linear over the row-concatenation of ``names`` (fused projections)."""
+        ws = [self.q(n + ".weight", (o, in_size), why) for n, o in zip(names, out_sizes)]
+        b = torch.cat([self.vector(n + ".bias", o, why) for n, o in zip(names, out_sizes)]) if bias else None
+        return Linear(ws, b, self.dtype)
+
+    def norm(self, name: str, n: int, why: str) -> RMSNorm:
+        return RMSNorm(self.vector(name + ".weight", n, why), self.config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM skeleton.
+
+    Subclasses implement :meth:`build_layer` and may override :meth:`load_config_tensors`.
+    forward(input_ids int64 [T], positions int64 [T], kv) -> final-normed hidden [T, hidden];
+    logits(hidden) -> fp32 [T, vocab].
+    """
+
+    def __init__(self, config: ModelConfig, embed: Embedding, layers: list[nn.Module], norm: RMSNorm,
+                 lm_head: Linear):
+        super().__init__()
+        self.config = config
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self._rope_keys = [rope_key(lc) for lc in config.layers]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        x = self.embed(input_ids)
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            key = self._rope_keys[i]
+            if key not in tables:
+                tables[key] = rope_cos_sin(self.config.layers[i], positions, x.dtype)
+            x = layer(x, *tables[key], kv)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -------------------------------------------------------------- loading
+    @classmethod
+    def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                  progress: bool = False) -> "CausalLM":
+        """Build the model from a GGUF checkpoint; shapes are checked against ``config``.
+
+        ``progress`` shows a tqdm bar over the layers on stderr.
+
+        Raises:
+            CheckpointError: missing tensors or shapes that contradict the config.
+        """
+        config = cls.adjust_config(ckpt, config)
+        w = GGUFWeights(ckpt, config, dtype)
+        D, V = config.hidden_size, config.vocab_size
+        emb_q = w.q("token_embd.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
+        embed = Embedding(emb_q, dtype, config.embedding_scale)
+        from tqdm import tqdm
+
+        layers = [cls.build_layer(w, i, config.layers[i])
+                  for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=not progress)]
+        norm = w.norm("output_norm", D, f"hidden_size={D}")
+        head_q = emb_q if config.tie_word_embeddings else w.q("output.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
+        extra = set(ckpt.infos) - w_used(ckpt, config, cls)
+        if extra:
+            raise CheckpointError(f"{ckpt.path}: unexpected tensors for {config.arch} with {config.num_layers} layers: "
+                                  f"{sorted(extra)[:5]}{' ...' if len(extra) > 5 else ''}")
+        return cls(config, embed, layers, norm, Linear(head_q, None, dtype))
+
+    @classmethod
+    def adjust_config(cls, ckpt: GGUFCheckpoint, config: ModelConfig) -> ModelConfig:
+        """Fold config-like tensors (e.g. llama.cpp ``rope_freqs``) into the config."""
+        if "rope_freqs.weight" in ckpt:
+            half = config.layers[0].rotary_dim // 2
+            f = ckpt.tensor("rope_freqs.weight", (half,), why=f"rotary_dim/2 = {half}").dequantize()
+            factors = tuple(float(x) for x in f)
+            config = dataclasses.replace(
+                config, layers=[dataclasses.replace(lc, rope_freq_factors=factors) if lc.attention == "full" else lc
+                                for lc in config.layers])
+        return config
+
+    @classmethod
+    def build_layer(cls, w: GGUFWeights, i: int, lc: LayerConfig) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def layer_tensor_suffixes(cls, config: ModelConfig) -> list[str]:
+        """Names (after ``blk.N.``) of every tensor a layer owns; used to reject unknown tensors."""
+        raise NotImplementedError
+
+
+def w_used(ckpt: GGUFCheckpoint, config: ModelConfig, cls: type[CausalLM]) -> set[str]:
+    names = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+    for i in range(config.num_layers):
+        names.update(f"blk.{i}.{s}" for s in cls.layer_tensor_suffixes(config))
+    return names
