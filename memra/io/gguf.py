@@ -1,7 +1,8 @@
-"""GGUF checkpoints: metadata and tensors, read through the ``gguf`` package.
+"""GGUF checkpoints: metadata and tensors.
 
-The ``gguf`` package (maintained by ggml) parses the header; memra checks every tensor's
-geometry against the file before any byte is used, and hands tensors out as
+memra parses the GGUF header itself (fast; checked against the ``gguf`` package's
+reader in tests), checks every tensor's geometry against the file before any byte is
+used, and hands tensors out as
 :class:`~memra.quant.tensor.QTensor` objects in their on-disk format.
 
 Shapes: GGUF stores dimensions innermost first (ggml ``ne``); memra reverses them to
@@ -10,7 +11,6 @@ torch order, so a linear weight ``[in, out]`` in ggml terms is ``(out, in)`` her
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +41,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     nbytes: int
-
-
-def _field_value(field: Any) -> Any:
-    """Python value of a ``gguf.ReaderField`` (str, int, float, bool or list of them)."""
-    return field.contents()
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -120,24 +115,97 @@ class GGUFCheckpoint:
 
 
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+            12: "<f8"}
 
 
-@functools.cache
-def _table_reader_class() -> type:
-    """A ``gguf.GGUFReader`` that parses the header and keeps the raw tensor-info fields.
+class _Cursor:
+    """Little-endian reader over the file's bytes; raises EOFError past the end."""
 
-    ``tensor_fields`` holds one ``ReaderField`` per tensor with parts ``[name_len,
-    name_data, n_dims, dims, type, offset]`` (gguf 0.19 ``_get_tensor_info_field``);
-    :func:`read_gguf` validates them itself so every error names the tensor.
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise EOFError(f"needed {n} bytes at offset {self.pos}, the file has {len(self.buf)}")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self) -> int:
+        return int.from_bytes(self.take(4), "little")
+
+    def u64(self) -> int:
+        return int.from_bytes(self.take(8), "little")
+
+    def string(self) -> str:
+        return str(self.take(self.u64()), "utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            itype, n = self.u32(), self.u64()
+            if itype == 8:
+                return [self.string() for _ in range(n)]
+            if itype == 9:
+                return [self.value(9) for _ in range(n)]
+            if itype not in _SCALARS:
+                raise ValueError(f"unknown metadata array item type {itype}")
+            dt = np.dtype(_SCALARS[itype])
+            arr = np.frombuffer(self.take(n * dt.itemsize), dtype=dt)
+            return arr.astype(bool).tolist() if itype == 7 else arr.tolist()
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        dt = np.dtype(_SCALARS[vtype])
+        v = np.frombuffer(self.take(dt.itemsize), dtype=dt)[0].item()
+        return bool(v) if vtype == 7 else v
+
+
+def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]], int, int]:
+    """Parse a little-endian GGUF v2/v3 header (ggml ``docs/gguf.md``).
+
+    Returns (metadata, tensor table as (name, ggml dims innermost first, type id,
+    relative data offset), alignment, absolute start of the data section).
+
+    memra parses the header itself because ``gguf.GGUFReader`` builds a numpy view per
+    string and takes tens of seconds on a 262k-token vocabulary; tests check that the
+    two agree on every real model file.
+
+    Raises:
+        EOFError: the header runs past the end of the file.
+        ValueError: unsupported version or value type, or a big-endian file.
     """
-    import gguf
+    c = _Cursor(buf)
+    c.take(4)
+    version = c.u32()
+    if version not in (2, 3):
+        if version & 0x00FFFFFF == 0 and version >> 24 in (2, 3):
+            raise ValueError("big-endian GGUF files are not supported (expected little-endian)")
+        raise ValueError(f"unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors, n_kv = c.u64(), c.u64()
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        meta[key] = c.value(c.u32())
+    table = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.u32()
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise _BadDims(name, n_dims)
+        dims = [c.u64() for _ in range(n_dims)]
+        table.append((name, dims, c.u32(), c.u64()))
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment = {align!r} must be a positive power of two")
+    start = (c.pos + align - 1) // align * align
+    return meta, table, align, start
 
-    class _TableReader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            self.tensor_fields = fields
-            self.tensors = []
 
-    return _TableReader
+class _BadDims(Exception):
+    def __init__(self, name: str, n_dims: int):
+        self.name, self.n_dims = name, n_dims
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -164,44 +232,26 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
     try:
-        reader = _table_reader_class()(path, "r")
-    except Exception as e:  # the package raises ValueError/IndexError/struct errors on bad headers
-        raise CheckpointError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
-    if reader.byte_order != "I":
-        raise CheckpointError(f"{path}: big-endian GGUF files are not supported (expected little-endian)")
+        metadata, table, alignment, data_start = _parse_header(memoryview(mm))
+    except _BadDims as e:
+        raise CheckpointError(f"{path}: tensor {e.name!r}: has {e.n_dims} dimensions, expected 1 to {_MAX_DIMS}") from None
+    except EOFError as e:
+        raise CheckpointError(f"{path}: truncated GGUF header ({e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        msg = str(e)
+        if "big-endian" in msg:
+            raise CheckpointError(f"{path}: {msg}") from None
+        raise CheckpointError(f"{path}: corrupt GGUF header ({msg})") from None
 
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = _field_value(field)
-        except Exception as e:
-            raise CheckpointError(f"{path}: metadata key {key!r} is unreadable ({e})") from None
-
-    # The tensor table is validated here rather than by GGUFReader._build_tensors, whose
-    # errors (bad type id, partial blocks, data past the end) do not name the tensor.
-    alignment = int(reader.alignment)
     infos: dict[str, TensorInfo] = {}
-    for i, field in enumerate(reader.tensor_fields):
-        name_len, name_data, n_dims, dims, raw_dtype, offset_tensor = field.parts
-        if (
-            len(n_dims) != 1 or len(raw_dtype) != 1 or len(offset_tensor) != 1
-            or len(dims) != int(n_dims[0]) or len(name_data) != int(name_len[0])
-        ):
-            raise CheckpointError(
-                f"{path}: truncated GGUF header: tensor info #{i} ({field.name!r}) ends past the end "
-                f"of the file ({size} bytes)"
-            )
-        name = field.name
+    for i, (name, dims, type_id, rel) in enumerate(table):
         where = f"{path}: tensor {name!r}"
         if name in infos:
             raise CheckpointError(f"{where}: duplicate tensor name (tensor info #{i}); names must be unique")
-        qtype = qtype_from_int(int(raw_dtype[0]), where=where)
-        if not 1 <= len(dims) <= _MAX_DIMS:
-            raise CheckpointError(f"{where}: has {len(dims)} dimensions, expected 1 to {_MAX_DIMS}")
-        shape = tuple(int(d) for d in reversed([int(x) for x in dims]))
+        qtype = qtype_from_int(type_id, where=where)
+        shape = tuple(reversed(dims))
         info = QTYPE_INFO[qtype]
         if shape[-1] % info.block_size:
             raise CheckpointError(
@@ -210,12 +260,11 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             )
         numel = math.prod(shape)  # Python ints: no overflow on corrupt dimensions
         nbytes = info.nbytes(numel)
-        rel = int(offset_tensor[0])
         if rel % alignment:
             raise CheckpointError(
                 f"{where}: data offset {rel} is not a multiple of the file's alignment {alignment}"
             )
-        offset = int(reader.data_offset) + rel
+        offset = data_start + rel
         if offset + nbytes > size:
             raise CheckpointError(
                 f"{where}: data at bytes [{offset}, {offset + nbytes}) runs past the end of the file "
@@ -230,7 +279,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
                 f"{path}: tensor {a.name!r} ({a.qtype.name} {a.shape}, {a.nbytes} bytes at {a.offset}) "
                 f"overlaps tensor {b.name!r} at {b.offset}: byte size does not match shape and type"
             )
-    return GGUFCheckpoint(path, metadata, infos, reader.data)
+    return GGUFCheckpoint(path, metadata, infos, mm)
 
 
 __all__ += ["UnsupportedQTypeError"]
