@@ -61,8 +61,9 @@ def tiny_gguf(path, arch: str, seed: int = 0, layers: int = 7, hidden: int = 64,
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, f"{arch}.vocab_size": VOCAB,
         f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)], "tokenizer.ggml.token_type": [1] * VOCAB,
-        "tokenizer.ggml.merges": ["t 1"], "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.tokens": ["<s>", "</s>", "a", "b", "ab"] + [f"x{i}" for i in range(VOCAB - 5)],
+        "tokenizer.ggml.token_type": [3, 3] + [1] * (VOCAB - 2),
+        "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
     }
     if arch in ("llama", "qwen2"):
         meta[f"{arch}.rope.dimension_count"] = head_dim

@@ -1,0 +1,305 @@
+"""Chat templates: Jinja2 programs shipped with a model that turn messages into a prompt.
+
+A GGUF carries its template as ``tokenizer.chat_template`` (Hugging Face's
+``tokenizer_config.json`` field of the same name). Templates are untrusted code from a
+model file, so they run in ``jinja2.sandbox.ImmutableSandboxedEnvironment``: no
+attribute starting with ``_`` (so no ``__class__``/``__globals__`` walk into Python
+internals), no mutation of the messages, bounded ``range``; memra also bounds string and
+list repetition and integer powers. The environment matches what templates are written
+against (Hugging Face ``transformers`` chat template rendering):
+
+* ``trim_blocks`` and ``lstrip_blocks`` on, the ``loopcontrols`` extension
+  (``{% break %}``, ``{% continue %}``), and ``{% generation %}...{% endgeneration %}``
+  accepted (rendered as its body);
+* ``tojson`` filter as ``json.dumps`` (non-ASCII kept, ``indent``, ``separators``,
+  ``sort_keys`` optional; key order kept), replacing Jinja's HTML-escaping one;
+* globals ``raise_exception(message)`` and ``strftime_now(format)``;
+* variables ``messages``, ``add_generation_prompt``, ``tools``, ``bos_token``,
+  ``eos_token`` and any extra keyword (e.g. ``enable_thinking``).
+
+Errors are :class:`ChatTemplateError` (a ``ValueError``) or a subclass, with a message
+saying what went wrong and, for runtime failures, at which template line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = [
+    "ChatTemplateError",
+    "ChatTemplateSecurityError",
+    "ChatTemplateRejected",
+    "NoChatTemplateError",
+    "compile_chat_template",
+    "render_chat_template",
+    "MAX_REPEAT_LENGTH",
+    "MAX_POWER_EXPONENT",
+]
+
+#: Longest string/list a template may build with ``*`` (elements or characters).
+MAX_REPEAT_LENGTH = 1_000_000
+#: Largest exponent a template may use in ``**`` on integers.
+MAX_POWER_EXPONENT = 4096
+
+
+class ChatTemplateError(ValueError):
+    """A chat template could not be compiled or rendered; the message says why and where."""
+
+
+class ChatTemplateSecurityError(ChatTemplateError):
+    """A chat template tried to reach Python internals, mutate its inputs, or exceed a sandbox limit."""
+
+
+class ChatTemplateRejected(ChatTemplateError):
+    """The template itself refused the conversation by calling ``raise_exception(message)``
+    (e.g. "Conversation roles must alternate user/assistant"). The message is the template's."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """The model has no chat template (typically a base model) and none was given."""
+
+
+def _raise_exception(message: Any) -> None:
+    """Template global ``raise_exception``: stop rendering with the template's own message."""
+    raise ChatTemplateRejected(f"the chat template rejected the request: {message}")
+
+
+def _strftime_now(fmt: Any) -> str:
+    """Template global ``strftime_now(format)``: local time now, formatted."""
+    if not isinstance(fmt, str):
+        raise ChatTemplateError(f"strftime_now() takes a format string, got {type(fmt).__name__}")
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """Template filter ``tojson``: ``json.dumps`` with key order and non-ASCII kept, no HTML escaping."""
+    if isinstance(separators, list):
+        separators = tuple(separators)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: marks assistant text (for training masks
+    in transformers); memra renders the body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        """Parse the block into a plain scope around its body."""
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Immutable sandbox that fails loudly on unsafe attributes and bounds ``*``/``**``.
+
+    jinja2's sandbox answers an unsafe attribute (``''.__class__``) with an undefined
+    value that only raises when used further, so ``{{ lipsum.__globals__ }}`` would
+    quietly print nothing; here any unsafe access raises at once.
+    """
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        """Raise ``SecurityError`` for an unsafe attribute instead of returning an undefined."""
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        """``*`` and ``**`` with size limits (:data:`MAX_REPEAT_LENGTH`, :data:`MAX_POWER_EXPONENT`)."""
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                        and len(seq) * n > MAX_REPEAT_LENGTH):
+                    raise ChatTemplateSecurityError(
+                        f"chat template tried to build a sequence of {len(seq) * n} items with '*' "
+                        f"(sandbox limit {MAX_REPEAT_LENGTH})"
+                    )
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(right) > MAX_POWER_EXPONENT \
+                    and abs(left) > 1:
+                raise ChatTemplateSecurityError(
+                    f"chat template tried '**' with exponent {right} (sandbox limit {MAX_POWER_EXPONENT})"
+                )
+        return super().call_binop(context, operator, left, right)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> _Sandbox:
+    env = _Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=64)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in memra's sandbox (cached by source text).
+
+    Args:
+        source: the Jinja2 template text.
+
+    Raises:
+        TypeError: ``source`` is not a str.
+        ChatTemplateError: the template has a syntax error (message has the line).
+    """
+    if not isinstance(source, str):
+        raise TypeError(f"a chat template is a str, got {type(source).__name__}")
+    try:
+        return _environment().from_string(source)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from None
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """Template line of the innermost template frame in ``exc``'s traceback (Jinja
+    rewrites tracebacks so that template frames carry template line numbers)."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of ``value`` made only of JSON types (dict, list, str, int, float, bool, None).
+
+    The template then sees no object whose methods the sandbox does not know; pydantic
+    models (``model_dump``) are converted; tuples become lists.
+
+    Raises:
+        ChatTemplateError: ``value`` holds something else (names where).
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):  # str subclasses (enums...) lose their extra methods
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ChatTemplateError(f"{where} has a non-string key {k!r}")
+            out[str.__str__(k)] = _plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump(), where)
+    raise ChatTemplateError(
+        f"{where} is a {type(value).__name__}; chat template inputs must be JSON-like "
+        f"(dict, list, str, int, float, bool, None)"
+    )
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as plain dicts, keys whose value is None dropped (an OpenAI client sends
+    ``content: null`` next to ``tool_calls``; templates expect the key to be absent, as
+    transformers' ``apply_chat_template`` arranges)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    out = []
+    for k, m in enumerate(messages):
+        m = _plain(m, f"messages[{k}]")
+        if not isinstance(m, dict):
+            raise ChatTemplateError(f"messages[{k}] must be an object with 'role', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"messages[{k}] has no string 'role' (got {m.get('role')!r})")
+        out.append({key: v for key, v in m.items() if v is not None})
+    return out
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    bos_token: str = "",
+    eos_token: str = "",
+    **kwargs: Any,
+) -> str:
+    """Render a chat template over a conversation.
+
+    Args:
+        template: Jinja2 template text (e.g. a GGUF's ``tokenizer.chat_template``).
+        messages: OpenAI-style messages, each a mapping with a string ``role``
+            (``content``, ``tool_calls``, ...); copied as plain JSON data, and keys
+            whose value is None dropped, as transformers does.
+        add_generation_prompt: ask the template to open the assistant's turn.
+        tools: tool descriptions (JSON-schema function specs) or None.
+        bos_token, eos_token: token texts the template may write.
+        **kwargs: extra template variables (``enable_thinking``, ``documents``, ...);
+            may not shadow the globals (``raise_exception``, ``strftime_now``, ``range``...).
+
+    Returns:
+        The rendered prompt text.
+
+    Raises:
+        ChatTemplateError: malformed or non-JSON ``messages``/``tools``/extra
+            variables, a syntax error, or a
+            failure while rendering (undefined operation, bad types, ...; the message
+            names the template line).
+        ChatTemplateRejected: the template called ``raise_exception``.
+        ChatTemplateSecurityError: the template touched an unsafe attribute (anything
+            starting with ``_``, e.g. ``__class__``, ``__globals__``), tried to mutate its
+            inputs, or exceeded a sandbox limit (``range`` > 100000 items, huge ``*``/``**``).
+
+    Source: Hugging Face transformers chat templating (environment and variables),
+    jinja2's ``ImmutableSandboxedEnvironment``.
+    """
+    compiled = compile_chat_template(template)
+    messages = _check_messages(messages)
+    if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+        raise ChatTemplateError(f"tools must be a list of tool objects or None, got {type(tools).__name__}")
+    env_globals = _environment().globals
+    shadowing = sorted(k for k in kwargs if k in env_globals)
+    if shadowing:
+        raise ChatTemplateError(f"template variables {shadowing} would shadow chat template globals")
+    context = {k: _plain(v, k) for k, v in kwargs.items()}
+    context.update(
+        messages=messages,
+        add_generation_prompt=bool(add_generation_prompt),
+        tools=None if tools is None else _plain(list(tools), "tools"),
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
+    try:
+        return compiled.render(**context)
+    except ChatTemplateError:
+        raise
+    except SecurityError as e:
+        raise ChatTemplateSecurityError(
+            f"chat template tried an unsafe operation{_at(e)}: {e} (blocked by the sandbox)"
+        ) from None
+    except OverflowError as e:  # jinja2's sandboxed range() beyond MAX_RANGE
+        raise ChatTemplateSecurityError(f"chat template exceeded a sandbox limit{_at(e)}: {e}") from None
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as e:
+        raise ChatTemplateError(f"chat template failed{_at(e)}: {type(e).__name__}: {e}") from None
+
+
+def _at(exc: BaseException) -> str:
+    line = _template_line(exc)
+    return "" if line is None else f" at line {line}"
