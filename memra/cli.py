@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--prompt-tokens", type=int, default=128)
     bc.add_argument("--decode-tokens", type=int, default=64)
     bc.add_argument("--threads", type=int, default=2)
-    bc.add_argument("--repeats", type=int, default=3)
+    bc.add_argument("--rounds", type=int, default=5, help="interleaved measurements per engine")
     bc.add_argument("--dtypes", default="float32,bfloat16")
     bc.add_argument("--no-llamacpp", action="store_true")
     bc.add_argument("--json-out", default=None, help="write results here (default: print only)")

@@ -127,7 +127,7 @@ class LLM:
         return self.generate([ids], params)[0]
 
     # ------------------------------------------------------------ the loop
-    @torch.no_grad()
+    @torch.inference_mode()
     def _run(self, ids: list[int], params: SamplingParams, outs: list) -> Iterator[tuple[int, str]]:
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:

@@ -41,11 +41,24 @@ class Linear(nn.Module):
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
-        self.register_buffer("weight", dense, persistent=False)
+        # Layout by measurement on the CPU (2-core Xeon, torch 2.13): fp32 GEMV streams the
+        # weight ~30% faster from [in, out] (x @ W^T with W^T contiguous); bf16/fp16 run
+        # 2-3x faster from [out, in] (F.linear, oneDNN/AMX path).
+        self.transposed = dtype == torch.float32
+        w = dense.t().contiguous() if self.transposed else dense
+        self.register_buffer("stored", w, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.to(dtype), persistent=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out_features, in_features] (a view when stored transposed)."""
+        return self.stored.t() if self.transposed else self.stored
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.transposed:
+            return F.linear(x, self.stored, self.bias)
+        y = torch.matmul(x, self.stored)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(nn.Module):

@@ -46,7 +46,8 @@ class Attention(nn.Module):
         v = v.view(T, lc.num_kv_heads, lc.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # q and k heads rotated in one call (fewer ops per decode step)
+        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([lc.num_heads, lc.num_kv_heads], dim=1)
         o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale)
         return self.o(o.reshape(T, lc.num_heads * lc.head_dim))
 
