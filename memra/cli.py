@@ -1,4 +1,4 @@
-"""memra's command line: ``memra generate | chat | inspect | bench``."""
+"""memra's command line: ``memra generate | chat | inspect | convert synth | bench``."""
 
 from __future__ import annotations
 
@@ -28,10 +28,24 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], type=_unescape,
+                   help="stop string (repeatable); \\n, \\t and \\\\ are read as newline, tab and backslash")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None, help="print the top-N logprobs of each token")
+
+
+def _unescape(s: str) -> str:
+    """Read \\n, \\t and \\\\ in a command-line string as newline, tab and backslash."""
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 1 < len(s) and s[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[s[i + 1]])
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
 
 
 def _params(a: argparse.Namespace, **over):
@@ -48,7 +62,7 @@ def _params(a: argparse.Namespace, **over):
 def _load(a: argparse.Namespace):
     from .engine.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty() or True)
+    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty())
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -115,10 +129,53 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _inspect_config_only(a: argparse.Namespace) -> int:
+    """``memra inspect --geometry G`` or ``memra inspect HF_DIR``: config + byte accounting."""
+    from pathlib import Path
+
+    from .config import ModelConfig
+    from .roofline import format_bytes_table, step35_bytes
+
+    if a.geometry:
+        from .io.synthetic import load_geometry, model_config
+
+        config, where = model_config(load_geometry(a.geometry)), f"synthetic geometry {a.geometry}"
+    else:
+        d = Path(a.file).expanduser()
+        cfg_path = d / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{d}: a model directory needs a config.json (Hugging Face layout)")
+        config, where = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), str(cfg_path)), str(d)
+    acct = step35_bytes(config, context=a.context) if config.arch == "step35" else None
+    if a.json:
+        print(json.dumps({"source": where, "config": config.summary(), "bytes": acct}, indent=2, default=str))
+        return 0
+    print(f"source      {where}")
+    print("config      " + ", ".join(f"{k}={v}" for k, v in config.summary().items()))
+    if acct:
+        print(format_bytes_table(acct))
+    return 0
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .io.summary import inspect_gguf
 
+    if a.geometry or (a.file and Path(a.file).expanduser().is_dir()):
+        return _inspect_config_only(a)
+    if not a.file:
+        raise ValueError("memra inspect needs a GGUF path / model key, a HF directory, or --geometry")
     info = inspect_gguf(a.file)
+    acct = None
+    if info["arch"] == "step35" and "error" not in info["config"]:
+        from .config import ModelConfig
+        from .io.gguf import read_gguf
+        from .roofline import step35_bytes
+
+        ck = read_gguf(info["path"])
+        acct = step35_bytes(ModelConfig.from_gguf(ck.metadata, set(ck.infos), info["path"]), context=a.context)
+        info["bytes"] = acct
     if a.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -131,10 +188,27 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print("tensor types:")
     for t, (n, params, nbytes) in sorted(info["types"].items(), key=lambda kv: -kv[1][2]):
         print(f"  {t:<6} {n:>5} tensors  {params:>14,} weights  {nbytes:>14,} bytes")
+    if acct:
+        from .roofline import format_bytes_table
+
+        print("byte accounting from the config (formats as if converted):")
+        print(format_bytes_table(acct))
     if a.metadata:
         print("metadata:")
         for k, v in info["metadata"].items():
             print(f"  {k} = {v}")
+    return 0
+
+
+_SYNTH_FORMATS = ("hf-bf16", "hf-fp8", "gguf-q8_0", "gguf-nvfp4", "gguf-q4_k")  # memra.io.synthetic.FORMATS
+
+
+def cmd_convert_synth(a: argparse.Namespace) -> int:
+    from .io.synthetic import describe, load_geometry, write_synthetic
+
+    g = load_geometry(a.geometry)
+    out = write_synthetic(g, a.format, a.seed, a.out)
+    print(f"wrote {out} ({a.format}, seed {a.seed}): {describe(g)}")
     return 0
 
 
@@ -145,10 +219,11 @@ def cmd_bench_cpu(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memra", description="memra: LLM inference engine")
+    p = argparse.ArgumentParser(prog="memra", description="memra: LLM inference engine",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="complete a prompt")
+    g = sub.add_parser("generate", help="complete a prompt", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -156,17 +231,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    c = sub.add_parser("chat", help="interactive chat through the model's chat template", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(c)
     c.add_argument("--system", default=None, help="system message")
     _add_sampling(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
-    i = sub.add_parser("inspect", help="metadata, tensor types, parameter count and bytes of a GGUF file")
-    i.add_argument("file", help="GGUF path or model key")
+    i = sub.add_parser("inspect", help="metadata, tensor types, parameter count and bytes of a GGUF file", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i.add_argument("file", nargs="?", default=None, help="GGUF path, model key or HF model directory")
+    i.add_argument("--geometry", default=None,
+                   help="inspect a synthetic Step-3.5 geometry instead (tiny, full or a JSON file): config, "
+                        "parameters, resident and per-decode-step bytes by format")
+    i.add_argument("--context", type=int, default=0, help="tokens in the KV cache for the KV-read figure")
     i.add_argument("--json", action="store_true")
     i.add_argument("--metadata", action="store_true", help="also print every metadata key (arrays summarised)")
     i.set_defaults(func=cmd_inspect)
+
+    cv = sub.add_parser("convert", help="write checkpoints")
+    cvsub = cv.add_subparsers(dest="convert", required=True)
+    cs = cvsub.add_parser("synth", help="write a deterministic random Step-3.5 checkpoint",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cs.add_argument("--geometry", default="tiny", help="tiny, full, or a JSON file of geometry keys")
+    cs.add_argument("--format", required=True, choices=list(_SYNTH_FORMATS))
+    cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--out", required=True, help="output directory (hf-*) or .gguf file (gguf-*)")
+    cs.set_defaults(func=cmd_convert_synth)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -192,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `memra generate ... | head`: the reader left; stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ def resolve_model(model: str, *, install: bool = True, progress: bool = True) ->
     if p.is_file():
         return p
     spec = MODELS.get(model)
+    if spec is None and (model.endswith(".gguf") or "/" in model):
+        raise FileNotFoundError(f"no such file: {model}")
     if spec is None:
         raise FileNotFoundError(
             f"model {model!r} is neither an existing file nor a known model key "

@@ -49,3 +49,21 @@ def test_chat_repl():
     r = memra("chat", "--temperature", "0", "--max-tokens", "12", input="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_stop_escapes():
+    from memra.cli import _unescape
+
+    assert _unescape(r"\n\n") == "\n\n"
+    assert _unescape(r"a\tb\\n") == "a\tb\\n"
+    assert _unescape("héllo\\") == "héllo\\"
+
+
+def test_generate_into_closed_pipe_is_quiet():
+    p1 = subprocess.Popen([sys.executable, "-m", "memra", "generate", "--prompt", "Count: 1, 2, 3,", "--max-tokens",
+                           "40", "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p1.stdout.read(3)
+    p1.stdout.close()
+    err = p1.stderr.read().decode()
+    assert p1.wait(timeout=600) == 0
+    assert "Traceback" not in err

@@ -16,7 +16,7 @@ import torch
 
 from ..hub import resolve_model
 from ..io.tokenizer import Tokenizer
-from ..models import load_gguf_model
+from ..models import load_gguf_model, load_hf_model
 from .kv_cache import ContiguousKVCache
 from .output import CompletionOutput, OutputProcessor
 from .sampling import Sampler, SamplingParams
@@ -44,13 +44,15 @@ class LLM:
     """A loaded model with its tokenizer, ready to generate.
 
     Args:
-        model: a model key (``memra.hub.MODELS``, e.g. ``"smollm2-135m"``) or a GGUF path.
+        model: a model key (``memra.hub.MODELS``, e.g. ``"smollm2-135m"``), a GGUF path, or a
+            Hugging Face directory (``config.json``, safetensors weights, ``tokenizer.json``).
         dtype: compute dtype on the CPU: ``"float32"`` (default, exact) or ``"bfloat16"``.
         max_model_len: context length to allow (default: the model's).
         progress: show a progress bar while loading.
 
     Raises:
         FileNotFoundError, CheckpointError, ConfigError: the model cannot be loaded.
+        TokenizerError: the tokenizer cannot be built (a HF directory needs ``tokenizer.json``).
         ValueError: unknown dtype, or max_model_len out of range.
     """
 
@@ -59,10 +61,15 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
         t0 = time.perf_counter()
-        path = resolve_model(str(model))
-        self.model, self.checkpoint = load_gguf_model(path, _DTYPES[dtype], progress=progress)
+        local = Path(model).expanduser()
+        if local.is_dir():  # a Hugging Face directory: config.json + safetensors + tokenizer.json
+            self.model, self.checkpoint = load_hf_model(local, _DTYPES[dtype], progress=progress)
+            self.tokenizer = Tokenizer.from_hf_dir(local)
+        else:
+            path = resolve_model(str(model))
+            self.model, self.checkpoint = load_gguf_model(path, _DTYPES[dtype], progress=progress)
+            self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
         self.config = self.model.config
-        self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
         self.eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         ctx = self.config.max_position_embeddings
         if max_model_len is not None and not (1 <= max_model_len <= ctx):
@@ -135,6 +142,9 @@ class LLM:
                 f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} is {total} tokens, "
                 f"more than the context length {self.max_model_len}")
         V = self.config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"invalid sampling parameter stop_token_ids: id {bad[0]} is outside the vocabulary [0, {V})")
         t0 = time.perf_counter()
         kv = ContiguousKVCache(self.config, total, self.model.dtype)
         hidden = self.model(torch.tensor(ids), torch.arange(len(ids)), kv)

@@ -21,8 +21,9 @@ def write_gguf(path: str | Path, arch: str, metadata: dict[str, Any], tensors: d
         arch: ``general.architecture``.
         metadata: key -> value (str, bool, int, float or a list of one of them); ints are
             written as uint32 (int32 if negative), floats as float32, as llama.cpp does.
-        tensors: name -> fp32/fp16 torch tensor (written in that type) or a packed
-            :class:`QTensor`; shapes in torch order.
+        tensors: name -> fp32/fp16/bf16 torch tensor (written in that type) or a
+            :class:`QTensor` (packed blocks, any number of dims: a 3-D expert bank
+            [E, out, in] is written as such); shapes in torch order.
     Returns:
         ``Path(path)``.
     """
@@ -46,10 +47,15 @@ def write_gguf(path: str | Path, arch: str, metadata: dict[str, Any], tensors: d
     for name, t in tensors.items():
         if isinstance(t, QTensor):
             if t.is_quantized:
-                w.add_tensor(name, t.data.numpy(), raw_shape=t.data.shape,
+                raw = t.data.reshape(*t.shape[:-1], t.data.shape[-1])  # byte shape: [.., row_bytes]
+                w.add_tensor(name, raw.contiguous().numpy(), raw_shape=raw.shape,
                              raw_dtype=gguf.GGMLQuantizationType(int(t.qtype)))
                 continue
             t = t.data
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+            raw = t.detach().contiguous().view(torch.uint8)  # [.., 2 * n] little-endian bf16
+            w.add_tensor(name, raw.numpy(), raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            continue
         if t.dtype not in (torch.float32, torch.float16):
             raise TypeError(f"tensor {name!r}: write fp32/fp16 tensors or packed QTensors, got {t.dtype}")
         w.add_tensor(name, t.detach().contiguous().numpy())

@@ -202,14 +202,16 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
 
 
 class Tokenizer:
-    """A GGUF model's tokenizer: text <-> token ids, special tokens, chat template.
+    """A model's tokenizer: text <-> token ids, special tokens, chat template.
 
-    Build with :meth:`from_gguf_metadata` (or :meth:`from_gguf` for a path). Encoding
+    Build with :meth:`from_gguf_metadata` (or :meth:`from_gguf` for a path), or
+    :meth:`from_hf_dir` for a Hugging Face directory's ``tokenizer.json``. Encoding
     and decoding run in the ``tokenizers`` library (Rust); this class holds the ids
     and rules that come from the GGUF and from llama.cpp's conventions.
 
     Attributes:
-        model: ``tokenizer.ggml.model`` (``"gpt2"`` or ``"llama"``).
+        model: ``tokenizer.ggml.model`` (``"gpt2"`` or ``"llama"``), or ``"hf"`` for a
+            tokenizer read from a HF ``tokenizer.json`` (:meth:`from_hf_dir`).
         pre: ``tokenizer.ggml.pre`` (the BPE pre-tokenizer name; informational for ``llama``).
         name: ``general.name`` of the model, or None; used in error messages.
         bos_token_id, eos_token_id: from ``tokenizer.ggml.bos_token_id`` /
@@ -420,6 +422,92 @@ class Tokenizer:
             name=name,
             aliases=aliases,
         )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build the tokenizer of a Hugging Face model directory from its ``tokenizer.json``.
+
+        ``tokenizer_config.json`` (optional) gives ``bos_token`` / ``eos_token`` (text or
+        ``{"content": ...}``), ``add_bos_token`` / ``add_eos_token`` and ``chat_template``
+        (else ``chat_template.jinja``). Without ``add_bos_token``, BOS is added when the
+        tokenizer's own post-processor adds it. Added tokens marked special count as
+        control tokens, other added tokens as user-defined; the rest are normal.
+
+        Raises:
+            TokenizerError: no ``tokenizer.json``, a file the ``tokenizers`` library rejects,
+                invalid ``tokenizer_config.json``, ids with gaps, or a BOS/EOS text that is
+                not a token.
+
+        Source: transformers' ``PreTrainedTokenizerFast`` conventions (tokenizer.json +
+        tokenizer_config.json).
+        """
+        import json
+
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(f"{d}: no tokenizer.json (memra reads HF tokenizers from tokenizer.json)")
+        try:
+            backend = _HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise TokenizerError(f"{tj}: rejected by the tokenizers library: {e}") from None
+        cfg: dict[str, Any] = {}
+        tc = d / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                cfg = json.loads(tc.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{tc}: not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"{tc}: expected a JSON object")
+        vocab = backend.get_vocab(with_added_tokens=True)
+        n = max(vocab.values()) + 1 if vocab else 0
+        tokens: list[str | None] = [None] * n
+        for t, i in vocab.items():
+            tokens[i] = t
+        if n == 0 or any(t is None for t in tokens):
+            missing = next((i for i, t in enumerate(tokens) if t is None), 0)
+            raise TokenizerError(f"{tj}: token ids are not contiguous (no token has id {missing})")
+        types = [TokenType.NORMAL] * n
+        for i, added in backend.get_added_tokens_decoder().items():
+            types[i] = TokenType.CONTROL if added.special else TokenType.USER_DEFINED
+
+        def token_id(key: str) -> int | None:
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if v is None:
+                return None
+            if not isinstance(v, str) or v not in vocab:
+                raise TokenizerError(f"{tc}: {key} = {v!r} is not a token of tokenizer.json")
+            return vocab[v]
+
+        def flag(key: str, default: bool) -> bool:
+            v = cfg.get(key, default)
+            if not isinstance(v, bool):
+                raise TokenizerError(f"{tc}: {key} must be a boolean, got {v!r}")
+            return v
+
+        bos, eos = token_id("bos_token"), token_id("eos_token")
+        if "add_bos_token" in cfg:
+            add_bos = flag("add_bos_token", False)
+        else:  # does the tokenizer's own post-processor add it?
+            with_special = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and bool(with_special) and with_special[0] == bos and \
+                backend.encode("a", add_special_tokens=False).ids[:1] != [bos]
+        template = cfg.get("chat_template")
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{tc}: chat_template must be a string (named templates are not supported)")
+        add_eos = flag("add_eos_token", False)
+        if add_bos and bos is None:
+            raise TokenizerError(f"{tc}: add_bos_token is set but there is no bos_token")
+        if add_eos and eos is None:
+            raise TokenizerError(f"{tc}: add_eos_token is set but there is no eos_token")
+        return cls(backend, tokens=tokens, token_types=types, model="hf", pre=None, bos_token_id=bos,
+                   eos_token_id=eos, add_bos=add_bos, add_eos=add_eos, chat_template=template,
+                   name=cfg.get("name_or_path") if isinstance(cfg.get("name_or_path"), str) else None, aliases={})
 
     # ------------------------------------------------------------------ properties
 

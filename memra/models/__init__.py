@@ -1,4 +1,9 @@
-"""Model registry: architecture name -> model class, and the loader."""
+"""Model registry: architecture name -> model class, and the loaders.
+
+:func:`load_model` dispatches on what the path is: a ``.gguf`` file goes to
+:func:`load_gguf_model`, a Hugging Face directory (``config.json`` + safetensors) to
+:func:`load_hf_model`.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..io.gguf import GGUFCheckpoint, read_gguf
-from . import gemma3, llama  # noqa: F401  (registration)
+from ..io.safetensors import SafetensorsCheckpoint, read_hf_dir
+from . import gemma3, llama, step3p5  # noqa: F401  (registration)
 from .base import MODEL_REGISTRY, CausalLM
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "load_gguf_model"]
+__all__ = ["MODEL_REGISTRY", "CausalLM", "load_gguf_model", "load_hf_model", "load_model"]
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -30,3 +36,43 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         model = cls.from_gguf(ckpt, config, dtype, progress=progress)
     return model.eval(), ckpt
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                  progress: bool = False) -> tuple[CausalLM, SafetensorsCheckpoint]:
+    """Read a Hugging Face model directory (``config.json`` + safetensors) and build its model on the CPU.
+
+    Returns:
+        (model, checkpoint); ``model.config`` is the normalised config.
+    Raises:
+        FileNotFoundError: not a directory.
+        CheckpointError: see :func:`memra.io.safetensors.read_hf_dir` and the model's ``from_hf``.
+        ConfigError: see :meth:`ModelConfig.from_hf_config`; also an architecture without a HF loader.
+        UnsupportedQTypeError: a tensor dtype memra cannot compute with.
+    """
+    ckpt = read_hf_dir(path)
+    config = ModelConfig.from_hf_config(ckpt.config, where=str(ckpt.path / "config.json"))
+    cls = MODEL_REGISTRY[config.arch]
+    if not hasattr(cls, "from_hf"):
+        raise ConfigError(f"{ckpt.path}: architecture {config.arch!r} has no safetensors loader yet")
+    with torch.no_grad():
+        model = cls.from_hf(ckpt, config, dtype, progress=progress)
+    return model.eval(), ckpt
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               progress: bool = False) -> tuple[CausalLM, GGUFCheckpoint | SafetensorsCheckpoint]:
+    """Load a model from a ``.gguf`` file or a HF directory with ``config.json``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or is a directory without ``config.json``.
+        Otherwise as :func:`load_gguf_model` / :func:`load_hf_model`.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p}: a model directory needs a config.json (Hugging Face layout)")
+        return load_hf_model(p, dtype, progress=progress)
+    if p.is_file():
+        return load_gguf_model(p, dtype, progress=progress)
+    raise FileNotFoundError(f"{p}: no such file or directory (expected a .gguf file or a HF model directory)")

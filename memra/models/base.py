@@ -1,7 +1,8 @@
 """Pieces every decoder-only model here shares: the model skeleton and weight loading.
 
 A model is ``embed -> layers -> final norm -> LM head``. Each model module (llama.py,
-gemma3.py) only says what its decoder layer computes and which checkpoint tensors feed it.
+gemma3.py, step3p5.py) only says what its decoder layer computes and which checkpoint
+tensors feed it (GGUF through :class:`GGUFWeights`, HF safetensors through :class:`HFWeights`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from torch import nn
 
 from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
+from ..io.safetensors import SafetensorsCheckpoint
 from ..layers.linear import Embedding, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin, rope_key
+from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 
-__all__ = ["CausalLM", "GGUFWeights", "MODEL_REGISTRY", "register_model"]
+__all__ = ["CausalLM", "GGUFWeights", "HFWeights", "MODEL_REGISTRY", "register_model"]
 
 MODEL_REGISTRY: dict[str, type["CausalLM"]] = {}
 
@@ -60,6 +63,55 @@ class GGUFWeights:
         return RMSNorm(self.vector(name + ".weight", n, why), self.config.rms_norm_eps)
 
 
+class HFWeights:
+    """Typed access to a HF safetensors checkpoint's tensors, with shape checks against the config.
+
+    Records every tensor it hands out so :meth:`check_all_used` can reject tensors the
+    config does not account for (e.g. MTP layers when ``num_nextn_predict_layers`` is 0,
+    or expert 16 of a 16-expert config). Every accessor raises :class:`CheckpointError`
+    naming the file, the tensor and the config values the expected shape came from.
+    """
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype):
+        self.ckpt, self.config, self.dtype = ckpt, config, dtype
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def q(self, name: str, shape: tuple[int, ...], why: str) -> QTensor | FP8BlockTensor:
+        """The tensor in its stored format (QTensor, or FP8BlockTensor with its scales)."""
+        t = self.ckpt.tensor(name, shape, why=why)
+        self.used.add(name)
+        if isinstance(t, FP8BlockTensor):
+            self.used.add(name + "_scale_inv")
+        return t
+
+    def vector(self, name: str, n: int, why: str) -> torch.Tensor:
+        """A 1-D fp32 tensor of length ``n`` (norm weights, router bias)."""
+        return self.q(name, (n,), why).dequantize(torch.float32)
+
+    def linear(self, names: list[str], out_sizes: list[int], in_size: int, why: str) -> Linear:
+        """One Linear over the row-concatenation of ``names`` (+ ``.weight``), e.g. fused q|k|v|g."""
+        return Linear([self.q(n + ".weight", (o, in_size), why) for n, o in zip(names, out_sizes)], None, self.dtype)
+
+    def norm(self, name: str, n: int, why: str, zero_centred: bool = True) -> RMSNorm:
+        """RMSNorm from ``name.weight``; zero-centred checkpoints store w and the multiplier is 1 + w
+        (folded here, in fp32, once)."""
+        w = self.vector(name + ".weight", n, why)
+        return RMSNorm(w + 1.0 if zero_centred else w, self.config.rms_norm_eps)
+
+    def check_all_used(self) -> None:
+        """Raises CheckpointError if the checkpoint holds tensors the model did not load."""
+        extra = set(self.ckpt.infos) - self.used
+        if extra:
+            ex = sorted(extra)
+            raise CheckpointError(
+                f"{self.ckpt.path}: unexpected tensors for {self.config.arch} with {self.config.num_layers} layers"
+                f" and {len(self.config.mtp_layers)} MTP layers (the config does not account for them): "
+                f"{ex[:5]}{' ...' if len(ex) > 5 else ''}")
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM skeleton.
 
@@ -82,7 +134,13 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False) -> torch.Tensor:
+        """Run the decoder over ``input_ids`` at ``positions`` through the KV cache ``kv``.
+
+        Returns the final-normed hidden states [T, hidden], or with ``prenorm=True`` the
+        residual stream before the final norm (what MTP heads consume; apply ``self.norm``
+        to get the former).
+        """
         x = self.embed(input_ids)
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
@@ -90,7 +148,7 @@ class CausalLM(nn.Module):
             if key not in tables:
                 tables[key] = rope_cos_sin(self.config.layers[i], positions, x.dtype)
             x = layer(x, *tables[key], kv)
-        return self.norm(x)
+        return x if prenorm else self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -127,7 +185,8 @@ class CausalLM(nn.Module):
     def adjust_config(cls, ckpt: GGUFCheckpoint, config: ModelConfig) -> ModelConfig:
         """Fold config-like tensors (e.g. llama.cpp ``rope_freqs``) into the config."""
         if "rope_freqs.weight" in ckpt:
-            half = config.layers[0].rotary_dim // 2
+            full = [lc for lc in config.layers if lc.attention == "full"] or config.layers
+            half = full[0].rotary_dim // 2
             f = ckpt.tensor("rope_freqs.weight", (half,), why=f"rotary_dim/2 = {half}").dequantize()
             factors = tuple(float(x) for x in f)
             config = dataclasses.replace(

@@ -468,3 +468,52 @@ def quantize_nvfp4(w: torch.Tensor, *, chunk_blocks: int = 16384) -> torch.Tenso
         out.append(torch.cat([ue, qs.reshape(-1, 32)], dim=1))
     blocks = torch.cat(out, dim=0) if out else torch.empty(0, 36, dtype=torch.uint8, device=dev)
     return blocks.reshape(*w.shape[:-1], w.shape[-1] // 64 * 36)
+
+
+def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """Quantize to Q4_K blocks (ggml type 12) with a simple min/max encoder.
+
+    Per 256-weight super-block, per 32-weight sub-block j: ``lo_j = min(0, min x)``,
+    ``step_j = (max x - lo_j) / 15``; the super-block scales are ``d = max_j step_j / 63`` and
+    ``dmin = max_j (-lo_j) / 63`` (stored fp16, the codes computed from the fp16 values);
+    six-bit ``sc_j = round(step_j / d)``, ``m_j = round(-lo_j / dmin)``, and each weight gets
+    ``q = clamp(round((x + dmin * m_j) / (d * sc_j)), 0, 15)``. Packing as
+    :func:`_dequant_q4_k` reads it (``get_scale_min_k4`` layout, sub-blocks 2c / 2c + 1 in the
+    low / high nibbles of 32-byte chunk c). This is a valid block stream but *not*
+    byte-identical to llama.cpp's ``quantize_row_q4_K_ref`` (which searches each sub-block's
+    scale and min iteratively, ``make_qkx2_quants``); its error is a little larger. Tests
+    check it against ``gguf.quants.dequantize`` (the ``gguf`` package has no Q4_K quantizer).
+
+    Args:
+        w: float tensor [..., K], K a multiple of 256 (taken to float32).
+
+    Returns:
+        uint8 [..., K // 256 * 144] on ``w.device``.
+
+    Raises:
+        ValueError: not a float tensor, K not a multiple of 256, NaN/Inf in ``w``, or a
+            super-block whose scale overflows fp16.
+    """
+    x = _as_blocks(w, QK_K, "quantize_q4_k").reshape(-1, 8, 32)
+    n = x.shape[0]
+    lo = x.amin(dim=2).clamp(max=0.0)  # [n, 8]
+    step = (x.amax(dim=2) - lo) / 15.0
+    d = (step.amax(dim=1) / 63.0)
+    dmin = ((-lo).amax(dim=1) / 63.0)
+    if bool((d > _FP16_MAX).any() or (dmin > _FP16_MAX).any()):
+        raise ValueError("quantize_q4_k: a super-block's scale exceeds the fp16 maximum")
+    d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)
+    df, dminf = d16.float().unsqueeze(1), dmin16.float().unsqueeze(1)  # [n, 1]
+    sc = torch.where(df > 0, _round_half_away(step / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 63)
+    mq = torch.where(dminf > 0, _round_half_away(-lo / torch.where(dminf > 0, dminf, 1.0)), 0.0).clamp(0, 63)
+    scale = (df * sc).unsqueeze(-1)  # [n, 8, 1]
+    offs = (dminf * mq).unsqueeze(-1)
+    q = torch.where(scale > 0, _round_half_away((x + offs) / torch.where(scale > 0, scale, 1.0)), 0.0)
+    q = q.clamp(0, 15).to(torch.uint8).reshape(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    sc8, m8 = sc.to(torch.uint8), mq.to(torch.uint8)
+    scales = torch.cat([sc8[:, :4] | ((sc8[:, 4:] >> 4) << 6),  # bytes 0-3
+                        m8[:, :4] | ((m8[:, 4:] >> 4) << 6),  # bytes 4-7
+                        (sc8[:, 4:] & 0x0F) | ((m8[:, 4:] & 0x0F) << 4)], dim=1)  # bytes 8-11
+    out = torch.cat([d16.view(torch.uint8).reshape(n, 2), dmin16.view(torch.uint8).reshape(n, 2), scales, qs], dim=1)
+    return out.reshape(*w.shape[:-1], w.shape[-1] // QK_K * 144)
