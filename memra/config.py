@@ -182,7 +182,9 @@ class ModelConfig:
 
         Source: llama.cpp ``llama-model.cpp`` (``llm_load_hparams``) and ``gguf-py``
         constants for key names; Gemma 3 layer pattern as hard-coded by llama.cpp
-        (every 6th layer global, sliding window from metadata).
+        (every 6th layer global, sliding window from metadata). Arch ``step35`` (per-layer
+        head counts, sliding pattern and clamps; MoE and MTP keys) is read by
+        ``_step35_from_gguf``, whose docstring lists the keys and memra's choices.
         """
         arch = meta.get("general.architecture")
         if arch == "step35":

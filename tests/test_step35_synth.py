@@ -241,16 +241,57 @@ def test_tokenizer_metadata_sizes():
         gguf_tokenizer_metadata(100)
 
 
-def test_unsupported_format_and_bad_geometry(tmp_path):
-    with pytest.raises(SynthError, match="Q4_K quantizer"):
+def test_quantize_q4_k_against_gguf_dequantize():
+    """memra's Q4_K encoder produces blocks gguf.quants decodes to within the expected error
+    (no reference quantizer exists in the gguf package to compare bytes with)."""
+    import gguf
+
+    from memra.quant.dequant import quantize_q4_k, quantize_q8_0
+    from memra.quant.tensor import QTensor
+    from memra.quant.types import QType
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(48, 1024, generator=g) * 0.05
+    w[1] += 0.5  # all-positive rows (min 0), and a row with one outlier
+    w[2, 7] = 3.0
+    w[3] = 0.0  # all-zero super-blocks decode to exactly zero
+    raw = quantize_q4_k(w)
+    assert raw.shape == (48, 1024 // 256 * 144) and raw.dtype == torch.uint8
+    ref = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_K))
+    assert torch.equal(QTensor("w", QType.Q4_K, (48, 1024), raw).dequantize(), ref)
+    assert torch.equal(ref[3], torch.zeros(1024))
+    err = rel(ref, w)
+    rows = [rel(ref[i], w[i]) for i in range(4, 48)]
+    q8 = rel(QTensor("w", QType.Q8_0, (48, 1024), quantize_q8_0(w)).dequantize(), w)
+    print(f"\nQ4_K round-trip rel error {err:.4f} (max row {max(rows):.4f}); Q8_0 {q8:.4f}")
+    assert err < 0.1 and max(rows) < 0.1 and q8 < err  # Gaussian rows: ~ (range / 15) / sqrt(12) = 8%
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_q4_k(torch.randn(4, 128))
+
+
+def test_gguf_q4_k_synthetic(tmp_path):
+    geo = {"expert_inter": 256, "experts": 8, "top_k": 2, "layers": 4, "mtp_layers": 1}
+    with pytest.raises(SynthError, match="multiples of the 256-weight block"):
         write_synthetic("tiny", "gguf-q4_k", 0, tmp_path / "x.gguf")
+    path = write_synthetic(geo, "gguf-q4_k", 3, tmp_path / "q4k.gguf")
+    model, ck = load_model(path)
+    assert ck.tensor("blk.3.ffn_down_exps.weight").qtype.name == "Q4_K"
+    got = run_logits(model)
+    ref = run_logits(build_model(geo, 3, expert_format="q4_k"))
+    assert rel(got, ref) < 1e-5
+    err = rel(ref, run_logits(build_model(geo, 3)))
+    print(f"\ngguf-q4_k: quantization error vs bf16: rel {err:.4f}")
+    assert 1e-4 < err < 0.5
+
+
+def test_unsupported_format_and_bad_geometry(tmp_path):
     with pytest.raises(SynthError, match="unknown format"):
         write_synthetic("tiny", "gguf-q2", 0, tmp_path / "x.gguf")
     with pytest.raises(SynthError, match="unknown geometry keys"):
         load_geometry({"hiden": 3})
     with pytest.raises(SynthError, match="neither"):
         load_geometry("huge")
-    assert cli_main(["convert", "synth", "--format", "gguf-q4_k", "--out", str(tmp_path / "y.gguf")]) == 2
+    assert cli_main(["convert", "synth", "--format", "gguf-q4_k", "--out", str(tmp_path / "y.gguf")]) == 2  # tiny
 
 
 def test_step35_gguf_metadata_errors(files):

@@ -11,7 +11,9 @@ format          what is written
 ``gguf-q8_0``   llama.cpp-style ``step35`` GGUF: routed expert banks Q8_0, norms / router bias /
 ``gguf-nvfp4``  ``rope_freqs`` f32 (norms stored as 1 + w), every other weight bf16; a minimal
                 gpt2-style tokenizer (byte alphabet + merges) in the metadata.
-``gguf-q4_k``   refused: memra has no Q4_K quantizer yet (:class:`SynthError`).
+``gguf-q4_k``   as gguf-q8_0 with Q4_K expert banks (memra's simple min/max Q4_K encoder,
+                :func:`memra.quant.dequant.quantize_q4_k`; needs hidden and expert_inter
+                multiples of 256, so not the ``tiny`` geometry as is).
 ==============  ================================================================================
 
 Weights (all derived from the seed and the tensor's hub name, so any tensor can be made
@@ -325,11 +327,12 @@ def _gguf_metadata(g: dict) -> dict[str, Any]:
 
 
 def _quantize_gguf(t: torch.Tensor, fmt: str, name: str):
-    from ..quant.dequant import quantize_nvfp4, quantize_q8_0
+    from ..quant.dequant import quantize_nvfp4, quantize_q4_k, quantize_q8_0
     from ..quant.tensor import QTensor
     from ..quant.types import QType
 
-    qt, fn = {"gguf-q8_0": (QType.Q8_0, quantize_q8_0), "gguf-nvfp4": (QType.NVFP4, quantize_nvfp4)}[fmt]
+    qt, fn = {"gguf-q8_0": (QType.Q8_0, quantize_q8_0), "gguf-nvfp4": (QType.NVFP4, quantize_nvfp4),
+              "gguf-q4_k": (QType.Q4_K, quantize_q4_k)}[fmt]
     raw = fn(t.float())
     return QTensor(name, qt, tuple(t.shape), raw.reshape(-1, raw.shape[-1]).contiguous())
 
@@ -360,15 +363,13 @@ def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path) 
     Returns:
         ``Path(out)``.
     Raises:
-        SynthError: unknown format or geometry; ``gguf-q4_k`` (no Q4_K quantizer in memra:
-            write one and check it against ``gguf.quants`` before enabling it).
+        SynthError: unknown format or geometry; expert dimensions (hidden, expert_inter) that
+            are not whole blocks of the format (32 Q8_0, 64 NVFP4, 256 Q4_K).
     """
     if fmt not in FORMATS:
         raise SynthError(f"unknown format {fmt!r} (supported: {', '.join(FORMATS)})")
-    if fmt == "gguf-q4_k":
-        raise SynthError("gguf-q4_k: memra has no Q4_K quantizer yet (only Q8_0 and NVFP4 reference quantizers "
-                         "exist in memra.quant.dequant); use gguf-q8_0 or gguf-nvfp4")
     g = load_geometry(geometry)
+    _check_blocks(g, fmt)
     out = Path(out)
     if fmt.startswith("hf-"):
         return _write_hf(g, fmt, seed, out)
@@ -378,6 +379,20 @@ def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path) 
     tensors = dict(gguf_tensor(name, t, fmt) for name, t in synth_tensors(g, seed))
     tensors["rope_freqs.weight"] = rope_freq_factors(g)
     return write_gguf(out, "step35", _gguf_metadata(g), tensors)
+
+
+_BLOCK = {"gguf-q8_0": 32, "gguf-nvfp4": 64, "gguf-q4_k": 256, "q8_0": 32, "nvfp4": 64, "q4_k": 256}
+
+
+def _check_blocks(g: dict, fmt: str) -> None:
+    b = _BLOCK.get(fmt)
+    if b is None:
+        return
+    bad = [k for k in ("hidden", "expert_inter") if g[k] % b]
+    if bad:
+        raise SynthError(f"{fmt}: expert banks are quantized along hidden and expert_inter, which must be "
+                         f"multiples of the {b}-weight block; {', '.join(f'{k} = {g[k]}' for k in bad)} "
+                         f"are not (pass a geometry JSON with e.g. expert_inter = {b * -(-g['expert_inter'] // b)})")
 
 
 def _write_hf(g: dict, fmt: str, seed: int, out: Path, shard_bytes: int = 2 << 30) -> Path:
@@ -454,7 +469,8 @@ def build_model(geometry: str | dict, seed: int, device: str | torch.device = "c
         device: where the random numbers are drawn and the tensors live.
         dtype: compute dtype of the model.
         expert_format: routed experts kept as ``bf16`` (the hf-bf16 file's numbers), ``fp8``
-            (the hf-fp8 file's numbers), ``q8_0`` or ``nvfp4`` (the GGUF files' expert numbers).
+            (the hf-fp8 file's numbers), ``q8_0``, ``nvfp4`` or ``q4_k`` (the GGUF files' expert
+            numbers).
 
     Returns:
         :class:`memra.models.step3p5.Step35ForCausalLM` (eval). On CPU with ``bf16`` its logits
@@ -469,9 +485,10 @@ def build_model(geometry: str | dict, seed: int, device: str | torch.device = "c
     from ..models.step3p5 import Step35ForCausalLM
     from ..quant.fp8 import quantize_fp8_block
 
-    if expert_format not in ("bf16", "fp8", "q8_0", "nvfp4"):
-        raise SynthError(f"expert_format {expert_format!r} (supported: bf16, fp8, q8_0, nvfp4)")
+    if expert_format not in ("bf16", "fp8", "q8_0", "nvfp4", "q4_k"):
+        raise SynthError(f"expert_format {expert_format!r} (supported: bf16, fp8, q8_0, nvfp4, q4_k)")
     g = load_geometry(geometry)
+    _check_blocks(g, expert_format)
     tensors: dict[str, Any] = {}
     for name, t in synth_tensors(g, seed, device):
         if _is_routed(name) and expert_format == "fp8":
