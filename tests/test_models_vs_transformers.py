@@ -101,3 +101,19 @@ def test_greedy_matches_transformers(pair):
         if len(ref) < 32:  # transformers stopped at an end-of-generation token
             assert ref[-1] in llm.eos_ids, (prompt, ref)
         assert ours[: len(ref)] == ref, (key, prompt, tok.decode(ours), tok.decode(ref))
+
+
+def test_bfloat16_mode_tracks_transformers(pair):
+    """The speed mode (bf16; int4 kernel for Q4_0/Q4_1 weights) stays close to the fp32 oracle."""
+    key, _, hf, tok = pair
+    llm = LLM(key, dtype="bfloat16")
+    ids = tok(TEXT)["input_ids"]
+    with torch.no_grad():
+        kv = ContiguousKVCache(llm.config, len(ids), torch.bfloat16)
+        ours = llm.model.logits(llm.model(torch.tensor(ids), torch.arange(len(ids)), kv))
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kernels = sorted({m.kernel for m in llm.model.modules() if hasattr(m, "kernel")})
+    print(f"\n{key} bf16 ({kernels}): top-1 agreement with transformers fp32 {top1:.4f}, "
+          f"max|diff| {(ours - ref).abs().max().item():.3f}")
+    assert top1 >= 0.95

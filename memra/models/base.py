@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.lm_head.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False) -> torch.Tensor:
         """Run the decoder over ``input_ids`` at ``positions`` through the KV cache ``kv``.
