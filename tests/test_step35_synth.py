@@ -231,6 +231,18 @@ def test_generate_cli_on_synthetic_gguf(files, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_generate_on_synthetic_hf_dir(files):
+    """An hf-* directory carries tokenizer.json; LLM generates from it, greedy equal to the GGUF's tokenizer."""
+    from memra import LLM, SamplingParams
+    from memra.io.tokenizer import Tokenizer
+
+    llm = LLM(str(files["hf-bf16"]))
+    gguf_tok = Tokenizer.from_gguf(files["gguf-q8_0"])
+    assert llm.tokenizer.encode("the cat sat") == gguf_tok.encode("the cat sat")
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4
+
+
 def test_tokenizer_metadata_sizes():
     for v in (259, 512, 2000):
         m = gguf_tokenizer_metadata(v)

@@ -400,8 +400,15 @@ def _write_hf(g: dict, fmt: str, seed: int, out: Path, shard_bytes: int = 2 << 3
 
     from ..quant.fp8 import quantize_fp8_block
 
+    from .tokenizer import Tokenizer
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hub_config(g, fp8=fmt == "hf-fp8"), indent=1))
+    # the same tiny byte-level BPE vocabulary the GGUF formats carry, as tokenizer.json
+    tok = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(g["vocab"], g["bos"], g["eos"][0]))
+    tok._backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": tok.id_to_token(g["bos"]), "eos_token": tok.id_to_token(g["eos"][0]), "add_bos_token": True}))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in synth_tensors(g, seed):
