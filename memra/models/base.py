@@ -151,6 +151,7 @@ class CausalLM(nn.Module):
         return x if prenorm else self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
 
     # -------------------------------------------------------------- loading
@@ -205,6 +206,7 @@ class CausalLM(nn.Module):
 
 
 def w_used(ckpt: GGUFCheckpoint, config: ModelConfig, cls: type[CausalLM]) -> set[str]:
+    """Every tensor name a GGUF file of ``cls`` may hold; the loader rejects any other."""
     names = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
     for i in range(config.num_layers):
         names.update(f"blk.{i}.{s}" for s in cls.layer_tensor_suffixes(config))

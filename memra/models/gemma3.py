@@ -26,6 +26,8 @@ class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 decoder (sandwich norms, GeGLU, local/global attention)."""
 
     class Layer(nn.Module):
+        """Sandwich-norm decoder layer: x [T, hidden] -> [T, hidden]."""
+
         def __init__(self, attn, mlp, input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm):
             super().__init__()
             self.attn, self.mlp = attn, mlp

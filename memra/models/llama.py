@@ -88,6 +88,11 @@ def load_attention(w: GGUFWeights, i: int, lc: LayerConfig, permuted_qk: bool) -
 
 
 def load_mlp(w: GGUFWeights, i: int) -> GatedMLP:
+    """The gated MLP of layer ``i`` from ``blk.i.ffn_{gate,up,down}`` (gate and up fused).
+
+    Raises:
+        CheckpointError: a tensor is missing or its shape contradicts the config.
+    """
     c, p = w.config, f"blk.{i}."
     why = f"hidden={c.hidden_size}, intermediate={c.intermediate_size}"
     I = c.intermediate_size
@@ -117,6 +122,8 @@ class LlamaForCausalLM(CausalLM):
     """Llama / Qwen2 decoder (pre-norm, SwiGLU)."""
 
     class Layer(nn.Module):
+        """Pre-norm decoder layer: x [T, hidden] -> [T, hidden]."""
+
         def __init__(self, attn: Attention, mlp: GatedMLP, attn_norm: RMSNorm, ffn_norm: RMSNorm):
             super().__init__()
             self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
