@@ -308,21 +308,7 @@ class Step35ForCausalLM(CausalLM):
                 contradicts the config (the message names the config values), or tensors the
                 config does not account for.
         """
-        from tqdm import tqdm
-
-        w = HFWeights(ckpt, config, dtype)
-        D, V, n = config.hidden_size, config.vocab_size, config.num_layers
-        why = f"vocab_size={V}, hidden_size={D}"
-        emb_q = w.q("model.embed_tokens.weight", (V, D), why)
-        embed = Embedding(emb_q, dtype)
-        layers = [_load_layer(w, i, i, lc)
-                  for i, lc in tqdm(list(enumerate(config.layers)), desc="loading weights", unit="layer",
-                                    disable=not progress)]
-        mtp = [_load_mtp_layer(w, n + j, j, lc) for j, lc in enumerate(config.mtp_layers)]
-        norm = w.norm("model.norm", D, f"hidden_size={D}")
-        head_q = emb_q if config.tie_word_embeddings else w.q("lm_head.weight", (V, D), why)
-        w.check_all_used()
-        return cls(config, embed, layers, norm, Linear(head_q, None, dtype), mtp).eval()
+        return cls._build(HFWeights(ckpt, config, dtype), progress)
 
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -340,10 +326,18 @@ class Step35ForCausalLM(CausalLM):
             CheckpointError: a tensor missing, a shape contradicting the config, or a tensor
                 the config does not account for.
         """
-        from tqdm import tqdm
-
         config = cls.adjust_config(ckpt, config)
         w = GGUFStep35Weights(ckpt, config, dtype)
+        if "rope_freqs.weight" in ckpt:
+            w.used.add("rope_freqs.weight")
+        return cls._build(w, progress)
+
+    @classmethod
+    def _build(cls, w: HFWeights, progress: bool) -> "Step35ForCausalLM":
+        """The model from a weights source that speaks HF tensor names (HF directly, GGUF mapped)."""
+        from tqdm import tqdm
+
+        config, dtype = w.config, w.dtype
         D, V, n = config.hidden_size, config.vocab_size, config.num_layers
         why = f"vocab_size={V}, hidden_size={D}"
         emb_q = w.q("model.embed_tokens.weight", (V, D), why)
@@ -354,8 +348,6 @@ class Step35ForCausalLM(CausalLM):
         mtp = [_load_mtp_layer(w, n + j, j, lc) for j, lc in enumerate(config.mtp_layers)]
         norm = w.norm("model.norm", D, f"hidden_size={D}")
         head_q = emb_q if config.tie_word_embeddings else w.q("lm_head.weight", (V, D), why)
-        if "rope_freqs.weight" in ckpt:
-            w.used.add("rope_freqs.weight")
         w.check_all_used()
         return cls(config, embed, layers, norm, Linear(head_q, None, dtype), mtp).eval()
 
