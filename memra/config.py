@@ -194,16 +194,7 @@ class ModelConfig:
                 f"{where}: architecture {arch!r} is not supported (supported: {', '.join(sorted(_GGUF_ARCHS))})"
             )
 
-        def get(key: str, typ: type | tuple = (int, float), default: Any = _MISSING) -> Any:
-            full = f"{arch}.{key}"
-            if full not in meta:
-                if default is _MISSING:
-                    raise ConfigError(f"{where}: required metadata key {full!r} is missing")
-                return default
-            v = meta[full]
-            if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
-                raise ConfigError(f"{where}: metadata key {full!r} = {v!r} has the wrong type")
-            return v
+        get = _gguf_getter(meta, f"{arch}.", where, default_type=(int, float))
 
         hidden = int(get("embedding_length", int))
         n_layers = int(get("block_count", int))
@@ -232,12 +223,7 @@ class ModelConfig:
             raise ConfigError(f"{where}: rope scaling type {stype!r} is not supported (supported: linear; "
                               "llama3 scaling comes from the rope_freqs tensor)")
 
-        vocab = meta.get(f"{arch}.vocab_size")
-        if vocab is None:
-            toks = meta.get("tokenizer.ggml.tokens")
-            if not isinstance(toks, list):
-                raise ConfigError(f"{where}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
-            vocab = len(toks)
+        vocab = _gguf_vocab_size(meta, f"{arch}.", where)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         common = dict(
             arch=arch,
@@ -608,17 +594,7 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
     """
     p = "step35."
 
-    def get(key: str, typ: type | tuple = int, default: Any = _MISSING) -> Any:
-        full = p + key
-        if full not in meta:
-            if default is _MISSING:
-                raise ConfigError(f"{where}: required metadata key {full!r} is missing")
-            return default
-        v = meta[full]
-        allowed = typ if isinstance(typ, tuple) else (typ,)
-        if not isinstance(v, typ) or isinstance(v, bool) and bool not in allowed:
-            raise ConfigError(f"{where}: metadata key {full!r} = {v!r} has the wrong type (expected {_tname(typ)})")
-        return v
+    get = _gguf_getter(meta, p, where, default_type=int)
 
     def positive(key: str, v):
         if v <= 0:
@@ -709,12 +685,7 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
             rotary_dim=rot_swa if sliding else rot, rope_scaling=None,
             mlp="moe" if dense_n <= i < n else "dense",
             swiglu_limit=float(lim[i]) or None, swiglu_limit_shared=float(lim_sh[i]) or None))
-    vocab = meta.get(p + "vocab_size")
-    if vocab is None:
-        toks = meta.get("tokenizer.ggml.tokens")
-        if not isinstance(toks, list):
-            raise ConfigError(f"{where}: neither {p}vocab_size nor tokenizer.ggml.tokens is present")
-        vocab = len(toks)
+    vocab = _gguf_vocab_size(meta, p, where)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         arch="step35", vocab_size=int(vocab), hidden_size=D,
@@ -725,6 +696,43 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=[int(eos)] if eos is not None else [],
         name=str(meta.get("general.name", "")), attn_head_gate=True, moe=moe, mtp_layers=layers[n:])
 
+
+
+def _gguf_getter(meta: Mapping[str, Any], prefix: str, where: str, default_type: type | tuple):
+    """``get(key, typ=default_type, default=required)`` over GGUF metadata keys ``prefix + key``.
+
+    Raises ConfigError naming the key when it is missing (and required) or of the wrong
+    type (a bool never counts as a number unless ``bool`` is asked for).
+    """
+
+    def get(key: str, typ: type | tuple = default_type, default: Any = _MISSING) -> Any:
+        full = prefix + key
+        if full not in meta:
+            if default is _MISSING:
+                raise ConfigError(f"{where}: required metadata key {full!r} is missing")
+            return default
+        v = meta[full]
+        allowed = typ if isinstance(typ, tuple) else (typ,)
+        if not isinstance(v, typ) or isinstance(v, bool) and bool not in allowed:
+            raise ConfigError(f"{where}: metadata key {full!r} = {v!r} has the wrong type (expected {_tname(typ)})")
+        return v
+
+    return get
+
+
+def _gguf_vocab_size(meta: Mapping[str, Any], prefix: str, where: str) -> int:
+    """``{prefix}vocab_size``, else the length of ``tokenizer.ggml.tokens``.
+
+    Raises:
+        ConfigError: neither is present.
+    """
+    vocab = meta.get(prefix + "vocab_size")
+    if vocab is None:
+        toks = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(toks, list):
+            raise ConfigError(f"{where}: neither {prefix}vocab_size nor tokenizer.ggml.tokens is present")
+        vocab = len(toks)
+    return int(vocab)
 
 def _tname(typ: type | tuple) -> str:
     return " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))

@@ -16,7 +16,7 @@ import torch
 
 from ..hub import resolve_model
 from ..io.tokenizer import Tokenizer
-from ..models import load_gguf_model, load_hf_model
+from ..models import load_model
 from .kv_cache import ContiguousKVCache
 from .output import CompletionOutput, OutputProcessor
 from .sampling import Sampler, SamplingParams
@@ -62,13 +62,10 @@ class LLM:
             raise ValueError(f"unknown dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
         t0 = time.perf_counter()
         local = Path(model).expanduser()
-        if local.is_dir():  # a Hugging Face directory: config.json + safetensors + tokenizer.json
-            self.model, self.checkpoint = load_hf_model(local, _DTYPES[dtype], progress=progress)
-            self.tokenizer = Tokenizer.from_hf_dir(local)
-        else:
-            path = resolve_model(str(model))
-            self.model, self.checkpoint = load_gguf_model(path, _DTYPES[dtype], progress=progress)
-            self.tokenizer = Tokenizer.from_gguf_metadata(self.checkpoint.metadata)
+        path = local if local.is_dir() else resolve_model(str(model))  # HF directory, or key / GGUF file
+        self.model, self.checkpoint = load_model(path, _DTYPES[dtype], progress=progress)
+        self.tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
+                          else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
         self.config = self.model.config
         self.eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         ctx = self.config.max_position_embeddings

@@ -14,6 +14,7 @@ transformers' ``rope_type="llama3"``); per-frequency divisors from a checkpoint
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,9 +24,10 @@ from ..config import LayerConfig, RopeScaling
 __all__ = ["inv_frequencies", "rope_cos_sin", "apply_rope"]
 
 
+@functools.lru_cache(maxsize=64)  # once per distinct RoPE setting, not once per decode step
 def inv_frequencies(theta: float, rotary_dim: int, scaling: RopeScaling | None = None,
                     freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2], fp32.
+    """Inverse frequencies [rotary_dim // 2], fp32 (cached: callers must not modify the result).
 
     Raises:
         ValueError: unknown scaling kind, or ``freq_factors`` of the wrong length.
