@@ -85,8 +85,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     m = llm.last_metrics
     if a.verbose:
-        print(f"[prompt {m['prompt_tokens']} tok in {m['prefill_s']:.3f} s; {m['decode_tokens']} decode steps in "
-              f"{m['decode_s']:.3f} s]", file=sys.stderr)
+        print(f"[prompt {m['prompt_tokens']} tok, first token after {m['ttft_s']:.3f} s; {m['decode_tokens']} decode "
+              f"steps in {m['decode_s']:.3f} s]", file=sys.stderr)
     return 0
 
 
@@ -218,6 +218,18 @@ def cmd_bench_cpu(a: argparse.Namespace) -> int:
     return run_cpu_bench(a)
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from .bench.serve import cmd_bench_serve as run
+
+    return run(a)
+
+
+def cmd_bench_serve_compare(a: argparse.Namespace) -> int:
+    from .bench.serve_compare import cmd_bench_serve_compare as run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memra", description="memra: LLM inference engine",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -269,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--no-llamacpp", action="store_true")
     bc.add_argument("--json-out", default=None, help="write results here (default: print only)")
     bc.set_defaults(func=cmd_bench_cpu)
+    bs = bsub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.serve import add_serve_args
+
+    add_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+    bsc = bsub.add_parser("serve-compare", help="memra serve and llama.cpp's server under the same load, side by side",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.serve_compare import add_compare_args
+
+    add_compare_args(bsc)
+    bsc.set_defaults(func=cmd_bench_serve_compare)
     return p
 
 

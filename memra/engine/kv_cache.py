@@ -1,18 +1,26 @@
-"""KV cache for one sequence, stored contiguously per layer.
+"""KV-cache storage and the attention step over it.
 
 The model never touches cache layout: each attention layer calls
-:meth:`ContiguousKVCache.attend`, which writes the step's keys/values and attends over
-everything cached. ``advance`` is called once per model step after all layers ran.
+``kv.attend(layer, q, k, v, window, scale)``, which writes the step's keys/values and
+attends over everything the queries may see. Two implementations:
+
+- :class:`ContiguousKVCache`: one sequence, contiguous per layer (tests, single-prompt tools);
+- :class:`PagedKVCache` + :class:`PagedBatch`: the serving engine's paged cache. A
+  ``PagedBatch`` describes one engine step (several sequences' prefill chunks and
+  decode tokens concatenated) and is what the model receives as ``kv``. Block tables
+  and slot mapping come from block_manager.py.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..layers.attention import attention
+from ..layers.attention import attention, visibility_mask
+from .block_manager import NULL_BLOCK, KVGroupSpec
 
-__all__ = ["ContiguousKVCache", "ContextOverflowError"]
+__all__ = ["ContiguousKVCache", "ContextOverflowError", "PagedKVCache", "PagedBatch", "SeqChunk"]
 
 
 class ContextOverflowError(ValueError):
@@ -62,3 +70,143 @@ class ContiguousKVCache:
     def truncate(self, length: int) -> None:
         """Forget every token at position >= ``length`` (rejected draft tokens, retries)."""
         self.length = min(self.length, length)
+
+
+class PagedKVCache:
+    """Paged K/V storage: per layer K and V of shape [num_blocks(group), block_size, KV, D].
+
+    Args:
+        groups: KV-cache groups (block_manager.kv_groups); layer i lives in the group listing it.
+        num_blocks: physical blocks per group.
+        block_size: tokens per block.
+        dtype, device: storage.
+    """
+
+    def __init__(self, groups: list[KVGroupSpec], num_blocks: list[int], block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.groups, self.block_size, self.dtype = groups, block_size, dtype
+        n_layers = max(max(g.layers) for g in groups) + 1
+        self.layer_group = [0] * n_layers
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        for gi, (g, n) in enumerate(zip(groups, num_blocks)):
+            for layer in g.layers:
+                self.layer_group[layer] = gi
+                # uninitialised: every slot is written before any query reads it (pages are
+                # only touched, and resident, once used)
+                self.k[layer] = torch.empty(n, block_size, g.num_kv_heads, g.head_dim, dtype=dtype, device=device)
+                self.v[layer] = torch.empty_like(self.k[layer])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+class SeqChunk:
+    """One sequence's part of an engine step.
+
+    Attributes:
+        start: position of its first new token (= tokens already in the cache).
+        num_new: new tokens this step (1 for a decode).
+        block_tables: per group, the sequence's block table (-1 = released).
+    """
+
+    __slots__ = ("start", "num_new", "block_tables")
+
+    def __init__(self, start: int, num_new: int, block_tables: list[list[int]]):
+        self.start, self.num_new, self.block_tables = start, num_new, block_tables
+
+
+class PagedBatch:
+    """The ``kv`` a model receives for one engine step over a :class:`PagedKVCache`.
+
+    The step's tokens are the sequences' new tokens concatenated in ``chunks`` order
+    (rows ``[sum(num_new[:i]), sum(num_new[:i+1]))`` belong to sequence i). Decode
+    sequences (one new token) are attended together in one padded batched call; each
+    prefill chunk attends over its cached prefix plus itself. Slot mappings, gather
+    indices and masks are built once per group here and reused by every layer.
+
+    Args:
+        cache: the storage.
+        chunks: the step's sequences.
+    """
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]):
+        self.cache = cache
+        bs = cache.block_size
+        dev = cache.k[cache.groups[0].layers[0]].device
+        self.num_tokens = sum(c.num_new for c in chunks)
+        self.per_group = []
+        offsets, o = [], 0
+        for c in chunks:
+            offsets.append(o)
+            o += c.num_new
+        for gi, g in enumerate(cache.groups):
+            tables = [torch.tensor(c.block_tables[gi], dtype=torch.long) for c in chunks]
+            slots = torch.cat([_slots(t, c.start, c.start + c.num_new, bs) for t, c in zip(tables, chunks)])
+            keys = [_slots(t, _window_start(c.start, g.window), c.start + c.num_new, bs)
+                    for t, c in zip(tables, chunks)]
+            dec = [i for i, c in enumerate(chunks) if c.num_new == 1]
+            decode = None
+            if dec:
+                lmax = max(len(keys[i]) for i in dec)
+                idx = torch.empty(len(dec), lmax, dtype=torch.long)
+                valid = torch.zeros(len(dec), lmax, dtype=torch.bool)
+                for r, i in enumerate(dec):
+                    # padding repeats a written slot of the same sequence (masked out; storage is
+                    # uninitialised, and 0 * NaN would poison the output)
+                    idx[r] = keys[i][0]
+                    idx[r, :len(keys[i])] = keys[i]
+                    valid[r, :len(keys[i])] = True
+                rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
+                decode = (rows.to(dev), idx.to(dev), valid[:, None, None, :].to(dev))
+            prefill = []
+            for i, c in enumerate(chunks):
+                if c.num_new == 1:
+                    continue
+                lo = _window_start(c.start, g.window)
+                mask = visibility_mask(torch.arange(c.start, c.start + c.num_new),
+                                       torch.arange(lo, c.start + c.num_new), g.window)
+                prefill.append((offsets[i], c.num_new, keys[i].to(dev), mask.to(dev)))
+            self.per_group.append((slots.to(dev), decode, prefill))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+               scale: float) -> torch.Tensor:
+        """Write this step's k, v [T, KV, D] to their slots, then attend q [T, H, D] -> [T, H, D]."""
+        cache = self.cache
+        gi = cache.layer_group[layer]
+        slots, decode, prefill = self.per_group[gi]
+        kc = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
+        vc = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
+        kc[slots] = k.to(kc.dtype)
+        vc[slots] = v.to(vc.dtype)
+        out = torch.empty_like(q)
+        if decode is not None:
+            rows, idx, valid = decode
+            kk = kc[idx].transpose(1, 2)  # [B, KV, L, D]
+            vv = vc[idx].transpose(1, 2)
+            qq = q[rows][:, :, None, :]  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=valid, scale=scale,
+                                               enable_gqa=q.shape[1] != kk.shape[1])
+            out[rows] = o[:, :, 0, :]
+        for off, n, ks, mask in prefill:
+            o = F.scaled_dot_product_attention(
+                q[off:off + n].transpose(0, 1)[None], kc[ks].transpose(0, 1)[None].to(q.dtype),
+                vc[ks].transpose(0, 1)[None].to(q.dtype), attn_mask=mask, scale=scale,
+                enable_gqa=q.shape[1] != kc.shape[1])
+            out[off:off + n] = o[0].transpose(0, 1)
+        return out
+
+
+def _window_start(start: int, window: int | None) -> int:
+    """First key position a query at ``start`` or later can see."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def _slots(table: torch.Tensor, lo: int, hi: int, bs: int) -> torch.Tensor:
+    """Slots (block * bs + offset) of positions lo .. hi-1 through block table ``table`` (int64)."""
+    pos = torch.arange(lo, hi)
+    blocks = table[pos // bs]
+    if bool((blocks == NULL_BLOCK).any()):
+        raise RuntimeError(f"positions {lo}..{hi - 1} reach a released KV block (block table {table.tolist()})")
+    return blocks * bs + pos % bs

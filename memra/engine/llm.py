@@ -1,8 +1,9 @@
 """The offline Python API: ``LLM(model).generate(prompts, params)``.
 
-One request runs as: tokenize -> prefill the whole prompt once (K/V of every prompt
-token cached) -> one token per decode step (only the new token goes through the
-model) -> sample -> detokenize and check stop conditions.
+A thin layer over :class:`~memra.engine.engine.LLMEngine`: every prompt becomes an
+engine request, and the engine's loop (continuous batching over a paged KV cache,
+chunked prefill, prefix caching) runs until all of them finish. A prompt is prefilled
+once (in chunks of ``max_num_batched_tokens``), then each decode step feeds one token.
 """
 
 from __future__ import annotations
@@ -12,22 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import torch
-
-from ..hub import resolve_model
-from ..io.tokenizer import Tokenizer
-from ..models import load_model
-from .kv_cache import ContiguousKVCache
-from .output import CompletionOutput, OutputProcessor
-from .sampling import Sampler, SamplingParams
+from .engine import EngineConfig, LLMEngine, PromptTooLongError
+from .output import CompletionOutput
+from .sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "PromptTooLongError"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-class PromptTooLongError(ValueError):
-    """Prompt tokens plus max_tokens exceed the model's context length."""
 
 
 @dataclass
@@ -38,6 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -49,6 +40,8 @@ class LLM:
         dtype: compute dtype on the CPU: ``"float32"`` (default, exact) or ``"bfloat16"``.
         max_model_len: context length to allow (default: the model's).
         progress: show a progress bar while loading.
+        **engine_options: further :class:`~memra.engine.engine.EngineConfig` fields
+            (``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_blocks``, ...).
 
     Raises:
         FileNotFoundError, CheckpointError, ConfigError: the model cannot be loaded.
@@ -57,22 +50,14 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, dtype: str = "float32", max_model_len: int | None = None,
-                 progress: bool = False):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
-        t0 = time.perf_counter()
-        local = Path(model).expanduser()
-        path = local if local.is_dir() else resolve_model(str(model))  # HF directory, or key / GGUF file
-        self.model, self.checkpoint = load_model(path, _DTYPES[dtype], progress=progress)
-        self.tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
-                          else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
-        self.config = self.model.config
-        self.eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
-        ctx = self.config.max_position_embeddings
-        if max_model_len is not None and not (1 <= max_model_len <= ctx):
-            raise ValueError(f"max_model_len={max_model_len} must be in [1, {ctx}] (the model's context length)")
-        self.max_model_len = max_model_len or ctx
-        self.load_seconds = time.perf_counter() - t0
+                 progress: bool = False, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
+                                             **engine_options), progress=progress)
+        e = self.engine
+        self.model, self.checkpoint, self.tokenizer, self.config = e.model, e.checkpoint, e.tokenizer, e.config
+        self.eos_ids, self.max_model_len, self.load_seconds = e.eos_ids, e.max_model_len, e.load_seconds
+        self._next_id = 0
+        self.last_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- API
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -81,48 +66,79 @@ class LLM:
         Raises:
             ValueError: empty prompt, or a token id outside the vocabulary.
         """
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
+        return self.engine.encode_prompt(prompt if isinstance(prompt, str) else list(prompt))
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Complete each prompt.
+                 params: SamplingParams | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
+        """Complete each prompt; all prompts run together in the engine's batches.
 
         Args:
             prompts: one prompt or a list; a prompt is text or a list of token ids.
             params: sampling parameters (default: ``SamplingParams()``).
+            prompt_logprobs: also return the top-k logprobs of each prompt token.
         Returns:
             One :class:`RequestOutput` per prompt, in order.
         Raises:
-            ValueError / PromptTooLongError: bad prompt (see :meth:`encode_prompt`).
+            ValueError / PromptTooLongError: bad prompt (nothing is run if any prompt is bad).
         """
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        results = []
-        for prompt in prompts:
-            ids = self.encode_prompt(prompt)
-            outs = [None] * params.n
-            for i, _ in self._run(ids, params, outs):
-                pass
-            results.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids, outs,
-                                         metrics=self.last_metrics))
-        return results
+        ids = [self.encode_prompt(p) for p in prompts]
+        for x in ids:
+            self.engine.validate(x, params)
+        rids = []
+        for x in ids:
+            rids.append(self._new_id())
+            self.engine.add_request(rids[-1], x, params, prompt_logprobs=prompt_logprobs)
+        results = {rid: RequestOutput(p if isinstance(p, str) else None, x,
+                                      [CompletionOutput(j, logprobs=[] if params.logprobs is not None else None)
+                                       for j in range(params.n)])
+                   for rid, p, x in zip(rids, prompts, ids)}
+        t0 = time.perf_counter()
+        s0 = self.engine.stats()
+        try:
+            while self.engine.has_unfinished():
+                for ev in self.engine.step():
+                    res = results.get(ev.request_id)
+                    if res is None:
+                        continue
+                    if ev.prompt_logprobs is not None:
+                        res.prompt_logprobs = ev.prompt_logprobs
+                    for d in ev.deltas:
+                        _accumulate(res.outputs, d)
+        finally:
+            for rid in rids:
+                self.engine.abort_request(rid)
+        self._record(s0, time.perf_counter() - t0)
+        for r in results.values():
+            r.metrics = self.last_metrics
+        return [results[rid] for rid in rids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion text of one prompt piece by piece (``params.n`` must be 1)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() produces one completion: use n=1")
-        outs = [None]
-        for _, delta in self._run(self.encode_prompt(prompt), params, outs):
-            if delta:
-                yield delta
+        ids = self.encode_prompt(prompt)
+        rid = self._new_id()
+        self.engine.add_request(rid, ids, params)
+        t0 = time.perf_counter()
+        t_first, n = None, 0
+        try:
+            while self.engine.has_unfinished():
+                for ev in self.engine.step():
+                    for d in ev.deltas:
+                        n += len(d.token_ids)
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                        if d.text:
+                            yield d.text
+        finally:
+            self.engine.abort_request(rid)
+            t_end = time.perf_counter()
+            self.last_metrics = {"prompt_tokens": len(ids), "ttft_s": (t_first or t_end) - t0,
+                                 "decode_tokens": max(0, n - 1), "decode_s": t_end - (t_first or t_end)}
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Complete a conversation rendered through the model's chat template."""
@@ -130,52 +146,24 @@ class LLM:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
-    # ------------------------------------------------------------ the loop
-    @torch.inference_mode()
-    def _run(self, ids: list[int], params: SamplingParams, outs: list) -> Iterator[tuple[int, str]]:
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} is {total} tokens, "
-                f"more than the context length {self.max_model_len}")
-        V = self.config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= V]
-        if bad:
-            raise ValueError(f"invalid sampling parameter stop_token_ids: id {bad[0]} is outside the vocabulary [0, {V})")
-        t0 = time.perf_counter()
-        kv = ContiguousKVCache(self.config, total, self.model.dtype)
-        hidden = self.model(torch.tensor(ids), torch.arange(len(ids)), kv)
-        kv.advance(len(ids))
-        first_logits = self.model.logits(hidden[-1])
-        t_prefill = time.perf_counter() - t0
-        decode_tokens, t_decode = 0, 0.0
-        for j in range(params.n):
-            cache = kv if j == params.n - 1 else _clone_cache(kv)
-            sampler = Sampler(params, ids, V, seed_offset=j)
-            proc = OutputProcessor(j, self.tokenizer, params, self.eos_ids, ids)
-            logits = first_logits
-            pos = len(ids)
-            while True:
-                r = sampler.sample(logits)
-                delta = proc.add(r)
-                yield j, delta
-                if proc.finished:
-                    break
-                t1 = time.perf_counter()
-                h = self.model(torch.tensor([r.token]), torch.tensor([pos]), cache)
-                cache.advance(1)
-                logits = self.model.logits(h[-1])
-                t_decode += time.perf_counter() - t1
-                decode_tokens += 1
-                pos += 1
-            outs[j] = proc.out
-        self.last_metrics = {"prompt_tokens": len(ids), "prefill_s": t_prefill, "decode_tokens": decode_tokens,
-                             "decode_s": t_decode}
+    # ------------------------------------------------------------ helpers
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return f"llm-{self._next_id}"
+
+    def _record(self, s0, seconds: float) -> None:
+        s1 = self.engine.stats()
+        self.last_metrics = {"prompt_tokens_computed": s1.num_prompt_tokens_computed - s0.num_prompt_tokens_computed,
+                             "generated_tokens": s1.num_generation_tokens - s0.num_generation_tokens,
+                             "steps": s1.num_steps - s0.num_steps, "seconds": seconds}
 
 
-def _clone_cache(kv: ContiguousKVCache) -> ContiguousKVCache:
-    c = ContiguousKVCache.__new__(ContiguousKVCache)
-    c.__dict__.update(kv.__dict__)
-    c.k = [t.clone() for t in kv.k]
-    c.v = [t.clone() for t in kv.v]
-    return c
+def _accumulate(outs: list[CompletionOutput], d) -> None:
+    """Fold one :class:`~memra.engine.request.CompletionDelta` into its completion."""
+    o = outs[d.index]
+    o.text += d.text
+    o.token_ids.extend(d.token_ids)
+    if o.logprobs is not None and d.logprobs:
+        o.logprobs.extend(d.logprobs)
+    if d.finish_reason is not None:
+        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason

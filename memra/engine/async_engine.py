@@ -1,0 +1,178 @@
+"""An asyncio front end for :class:`~memra.engine.engine.LLMEngine`.
+
+The engine loop runs in one background thread (torch releases the GIL inside its
+kernels, so the HTTP event loop stays responsive); asyncio code talks to it through a
+command inbox (add / abort) and receives :class:`~memra.engine.request.RequestEvent`
+objects on a per-request ``asyncio.Queue``. A consumer that stops listening (client
+disconnect, cancelled task) aborts its request, which releases its KV blocks at the
+start of the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from .engine import EngineStats, LLMEngine
+from .request import RequestEvent
+from .sampling import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "QueueFullError"]
+
+log = logging.getLogger("memra.engine")
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (the server answers 429)."""
+
+
+class AsyncLLMEngine:
+    """Runs ``engine`` in a background thread and serves requests to asyncio callers.
+
+    Args:
+        engine: the engine (used only from the background thread once started).
+        max_queue: most requests waiting to be admitted (not yet running); None = unbounded.
+            Requests beyond it are refused with :class:`QueueFullError`.
+    """
+
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 1):
+            raise ValueError(f"max_queue={max_queue!r} must be an integer >= 1 or None")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0  # requests in the inbox, not yet handed to the engine
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._stats = engine.stats()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="memra-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; unfinished requests are aborted."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ------------------------------------------------------------------ API
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise what :meth:`LLMEngine.validate` raises for a bad request (safe from any thread)."""
+        self.engine.validate(prompt_ids, params)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step."""
+        return self._stats
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt_logprobs: int | None = None) -> AsyncIterator[RequestEvent]:
+        """Submit a request and yield its events until it finishes.
+
+        Raises:
+            ValueError, PromptTooLongError, KVCapacityError: bad request (see :meth:`validate`).
+            QueueFullError: ``max_queue`` requests are already waiting.
+            RuntimeError: (from the iteration) the engine failed while computing this request.
+        Leaving the iteration early (``aclose``, cancellation) aborts the request.
+        """
+        self.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_queue is not None and self._waiting() >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} requests waiting)")
+            self._streams[request_id] = (loop, q)
+            self._pending += 1
+        self._inbox.put(("add", request_id, list(prompt_ids), params, prompt_logprobs))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its blocks are freed at the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------ internals
+    def _waiting(self) -> int:
+        """Requests submitted but not yet admitted to the running batch (approximate across threads)."""
+        return self._pending + self._stats.num_waiting
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, plp = cmd
+                with self._lock:
+                    self._pending -= 1
+                    alive = rid in self._streams
+                if not alive:  # the consumer left before the request reached the engine
+                    continue
+                try:
+                    self.engine.add_request(rid, ids, params, prompt_logprobs=plp)
+                except Exception as e:  # validated already; anything here is reported to that request only
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            try:
+                self._drain_inbox()
+                self._stats = eng.stats()
+                if not eng.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                events = eng.step()
+            except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the others
+                log.exception("engine step failed; aborting the requests in flight")
+                for rid in eng.request_ids():
+                    eng.abort_request(rid)
+                    self._deliver(rid, RuntimeError(f"internal engine error: {e!r}"))
+                continue
+            for ev in events:
+                self._deliver(ev.request_id, ev)
+        for rid in eng.request_ids():
+            eng.abort_request(rid)
+        self._stats = eng.stats()

@@ -1,0 +1,313 @@
+"""The engine: requests in, one batched model step at a time, events out.
+
+One :meth:`LLMEngine.step` = schedule (scheduler.py) -> run the model once over every
+scheduled prefill chunk and decode token (model_runner.py) -> sample the requests that
+reached the end of their tokens -> detokenize, check stop conditions -> finish requests
+and release their KV blocks. The offline :class:`~memra.engine.llm.LLM` and the HTTP
+server (through async_engine.py) both drive this loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..hub import resolve_model
+from ..io.tokenizer import Tokenizer
+from ..models import load_model
+from .block_manager import KVCacheManager, kv_groups, plan_kv_blocks
+from .kv_cache import PagedKVCache
+from .model_runner import ModelRunner
+from .output import OutputProcessor
+from .request import CompletionDelta, Request, RequestEvent, RequestStatus
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["EngineConfig", "LLMEngine", "EngineStats", "PromptTooLongError", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes, CPU default (vLLM's CPU backend defaults to 4 GiB)
+
+
+class PromptTooLongError(ValueError):
+    """Prompt tokens plus max_tokens exceed the model's context length."""
+
+
+@dataclass
+class EngineConfig:
+    """How to build an :class:`LLMEngine`.
+
+    Attributes:
+        model: model key (``memra.hub.MODELS``), GGUF path or HF directory.
+        dtype: compute and KV-cache dtype (``"float32"`` or ``"bfloat16"``).
+        max_model_len: longest sequence (prompt + output) accepted; default the model's context.
+        max_num_seqs: most requests running (decoding or prefilling) at once.
+        max_num_batched_tokens: most tokens computed per step; prompts longer than this are
+            prefilled in chunks.
+        block_size: tokens per KV-cache block.
+        kv_cache_blocks: blocks per full-attention group; or
+        kv_cache_memory: bytes for the whole KV cache (default 2 GiB when neither is given).
+        enable_prefix_caching: reuse cached blocks of identical prompt prefixes.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (supported: {', '.join(DTYPES)})")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give at most one of kv_cache_blocks and kv_cache_memory")
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges of an engine (tokens unless said otherwise)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_prompt_tokens: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class _Parent:
+    """A user request and its ``n`` sequences."""
+
+    __slots__ = ("request_id", "prompt_ids", "children", "prompt_logprobs_sent")
+
+    def __init__(self, request_id: str, prompt_ids: list[int], children: list[Request]):
+        self.request_id, self.prompt_ids, self.children = request_id, prompt_ids, children
+        self.prompt_logprobs_sent = False
+
+
+class LLMEngine:
+    """A loaded model, its tokenizer, a paged KV cache and a scheduler.
+
+    Args:
+        config: :class:`EngineConfig`.
+        progress: show a progress bar while loading weights.
+        model, tokenizer: an already built model and tokenizer (tests); ``config.model`` is then unused.
+
+    Raises:
+        FileNotFoundError, CheckpointError, ConfigError, TokenizerError: the model cannot be loaded.
+        ValueError: a config value out of range, or a KV cache too small for one max_model_len sequence.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, progress: bool = False, model=None,
+                 tokenizer: Tokenizer | None = None):
+        cfg = config or EngineConfig()
+        self.engine_config = cfg
+        t0 = time.perf_counter()
+        dtype = DTYPES[cfg.dtype]
+        self.checkpoint = None
+        if model is None:
+            local = Path(cfg.model).expanduser()
+            path = local if local.is_dir() else resolve_model(str(cfg.model))
+            model, self.checkpoint = load_model(path, dtype, progress=progress)
+            tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
+                         else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
+            self.model_name = str(cfg.model)
+        else:
+            self.model_name = str(cfg.model)
+        self.model, self.tokenizer = model, tokenizer
+        self.config = model.config
+        self.eos_ids = sorted(set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
+        ctx = self.config.max_position_embeddings
+        if cfg.max_model_len is not None and not (1 <= cfg.max_model_len <= ctx):
+            raise ValueError(f"max_model_len={cfg.max_model_len} must be in [1, {ctx}] (the model's context length)")
+        self.max_model_len = cfg.max_model_len or ctx
+        groups = kv_groups(self.config)
+        kv_dtype = model.dtype
+        memory = cfg.kv_cache_memory
+        if cfg.kv_cache_blocks is None and memory is None:
+            memory = DEFAULT_KV_CACHE_MEMORY
+        blocks = plan_kv_blocks(groups, cfg.block_size, kv_dtype, num_blocks=cfg.kv_cache_blocks,
+                                memory_bytes=memory, max_num_seqs=cfg.max_num_seqs,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
+        self.kv = KVCacheManager(groups, blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.cache = PagedKVCache(groups, blocks, cfg.block_size, kv_dtype)
+        from .scheduler import Scheduler
+
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache)
+        self._parents: dict[str, _Parent] = {}
+        self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
+        self.load_seconds = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- input
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text (special tokens parsed, bos per the model) or ids.
+
+        Raises:
+            ValueError: empty prompt, or a token id outside the vocabulary.
+        """
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_ids(ids)
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        V = self.config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Check a request before it is queued.
+
+        Raises:
+            ValueError: empty prompt, token ids or stop_token_ids outside the vocabulary.
+            PromptTooLongError: prompt + max_tokens > max_model_len.
+            KVCapacityError: the sequence could never fit in the KV cache, even alone.
+        """
+        self._check_ids(prompt_ids)
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is {total} tokens, "
+                f"more than the context length {self.max_model_len}")
+        V = self.config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"invalid sampling parameter stop_token_ids: id {bad[0]} is outside the vocabulary [0, {V})")
+        self.kv.check_fits(total, self.scheduler.max_num_batched_tokens)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prompt_logprobs: int | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (``params.n`` sequences sharing the prompt).
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt_logprobs: also return the top-k logprobs of each prompt token (0..20).
+        Raises:
+            ValueError: duplicate id, bad prompt_logprobs, or anything :meth:`validate` raises.
+        """
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_logprobs is not None and not (isinstance(prompt_logprobs, int) and 0 <= prompt_logprobs <= 20):
+            raise ValueError(f"invalid parameter prompt_logprobs={prompt_logprobs!r}: must be an integer in [0, 20]")
+        self.validate(prompt_ids, params)
+        V = self.config.vocab_size
+        children = []
+        for j in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{j}"
+            req = Request(rid, prompt_ids, params, Sampler(params, prompt_ids, V, seed_offset=j),
+                          OutputProcessor(j, self.tokenizer, params, self.eos_ids, prompt_ids), index=j,
+                          prompt_logprobs=prompt_logprobs if j == 0 else None, arrival_time=arrival_time)
+            req.parent_id = request_id
+            children.append(req)
+        self._parents[request_id] = _Parent(request_id, list(prompt_ids), children)
+        self._num_prompt_tokens += len(prompt_ids)
+        for req in children:
+            self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and release everything it holds. Returns False if it is unknown or finished."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for req in parent.children:
+            if not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the unfinished requests."""
+        return list(self._parents)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestEvent]:
+        """Run one engine step. Returns one event per user request with news this step."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        self._num_steps += 1
+        logits = self.runner.execute(batch.items)
+        events: dict[str, RequestEvent] = {}
+        for req, n in batch.items:
+            start = req.num_computed_tokens
+            self._num_prompt_computed += max(0, min(start + n, len(req.prompt_ids)) - start)
+            req.num_computed_tokens += n
+            self.kv.cache_computed(req)
+            if id(req) in logits.prompt:
+                self._collect_prompt_logprobs(req, *logits.prompt[id(req)])
+            if id(req) in logits.sample:
+                r = req.sampler.sample(logits.sample[id(req)])
+                self._num_generated += 1
+                text = req.processor.add(r)
+                out = req.output
+                delta = CompletionDelta(req.index, text, [r.token],
+                                        [(r.token, r.logprob, r.top or [])] if req.params.logprobs is not None else None,
+                                        out.finish_reason, out.stop_reason)
+                if out.finish_reason is not None:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED if out.finish_reason == "stop"
+                                          else RequestStatus.FINISHED_LENGTH)
+                self._event(events, req).deltas.append(delta)
+        for rid, ev in events.items():
+            parent = self._parents[rid]
+            if all(c.status.finished for c in parent.children):
+                ev.finished = True
+                del self._parents[rid]
+        return list(events.values())
+
+    def _event(self, events: dict[str, RequestEvent], req: Request) -> RequestEvent:
+        rid = req.parent_id
+        parent = self._parents[rid]
+        ev = events.get(rid)
+        if ev is None:
+            ev = events[rid] = RequestEvent(rid, parent.prompt_ids,
+                                            num_cached_tokens=max(c.num_cached_tokens for c in parent.children))
+            c0 = parent.children[0]
+            if c0.collected_prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+                ev.prompt_logprobs = c0.collected_prompt_logprobs
+                parent.prompt_logprobs_sent = True
+        return ev
+
+    @staticmethod
+    def _collect_prompt_logprobs(req: Request, first: int, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits, dim=-1)
+        k = req.prompt_logprobs
+        for r in range(lp.shape[0]):
+            p = first + r
+            if len(req.collected_prompt_logprobs) != p + 1:
+                continue  # already collected (recomputed after preemption)
+            tok = req.prompt_ids[p + 1]
+            top = []
+            if k:
+                v, i = torch.topk(lp[r], k)
+                top = list(zip(i.tolist(), v.tolist()))
+            req.collected_prompt_logprobs.append((float(lp[r, tok]), top))
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_total=self.kv.num_blocks, prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits, num_prompt_tokens=self._num_prompt_tokens,
+            num_prompt_tokens_computed=self._num_prompt_computed, num_generation_tokens=self._num_generated,
+            num_preemptions=s.num_preemptions, num_steps=self._num_steps)
