@@ -331,3 +331,18 @@ def test_prefix_cache_skips_the_shared_system_prompt(smol):
     again = run_all(smol, [system + u for u in users[1:]], SamplingParams(temperature=0, max_tokens=4))
     assert [t for t, _ in rest] == [t for t, _ in again]
     assert first[0][0]
+
+
+def test_preemption_on_the_real_model_keeps_greedy_outputs(smol):
+    """Acceptance: a KV pool too small for the offered load; every request completes with its alone output."""
+    tight = LLMEngine(EngineConfig(max_model_len=128, kv_cache_blocks=12, max_num_seqs=8, max_num_batched_tokens=64),
+                      model=smol.model, tokenizer=smol.tokenizer)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = [t for t, _ in run_all(tight, prompts, params)]
+    assert tight.stats().num_preemptions > 0
+    assert tight.kv.num_used_blocks == 0 and not tight.has_unfinished()
+    smol.kv.reset_prefix_cache()
+    for p, t in zip(prompts, together):
+        assert t == run_all(smol, [p], params)[0][0]

@@ -135,7 +135,7 @@ class Sampler:
         result = SampleResult(-1)
         if p.logprobs is not None:
             raw_lp = torch.log_softmax(logits, dim=-1)
-        x = logits.clone()
+        x = logits  # every step below is out of place
         if p.repetition_penalty != 1.0:
             seen = self.seen | (self.counts > 0)
             x = torch.where(seen & (x > 0), x / p.repetition_penalty, torch.where(seen, x * p.repetition_penalty, x))
