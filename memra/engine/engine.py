@@ -88,6 +88,7 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     num_steps: int
+    num_aborted: int = 0
 
 
 class _Parent:
@@ -152,6 +153,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self._parents: dict[str, _Parent] = {}
         self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
+        self._num_aborted = 0
         self.load_seconds = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- input
@@ -230,6 +232,7 @@ class LLMEngine:
         for req in parent.children:
             if not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._num_aborted += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -310,4 +313,4 @@ class LLMEngine:
             kv_blocks_total=self.kv.num_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_prompt_tokens=self._num_prompt_tokens,
             num_prompt_tokens_computed=self._num_prompt_computed, num_generation_tokens=self._num_generated,
-            num_preemptions=s.num_preemptions, num_steps=self._num_steps)
+            num_preemptions=s.num_preemptions, num_steps=self._num_steps, num_aborted=self._num_aborted)
