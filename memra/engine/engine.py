@@ -306,6 +306,16 @@ class LLMEngine:
             req.collected_prompt_logprobs.append((float(lp[r, tok]), top))
 
     # ---------------------------------------------------------------- stats
+    def kv_cache_summary(self) -> str:
+        """One line: the KV cache allocated (blocks and tokens per group, bytes, dtype)."""
+        parts = []
+        for g, pool in zip(self.kv.groups, self.kv.pools):
+            span = "full attention" if g.window is None else f"window {g.window}"
+            parts.append(f"{pool.num_blocks} blocks ({pool.num_blocks * self.kv.block_size} tokens) for "
+                         f"{len(g.layers)} {span} layers")
+        return (f"KV cache: {self.cache.nbytes / 2**30:.2f} GiB {str(self.cache.dtype).removeprefix('torch.')}, "
+                f"blocks of {self.kv.block_size} tokens: " + "; ".join(parts))
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
