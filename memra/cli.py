@@ -129,6 +129,34 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _size(text: str) -> int:
+    from .server.app import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """``memra serve``: the OpenAI-compatible HTTP server (memra/server)."""
+    import os
+
+    from .engine.engine import EngineConfig
+    from .server.app import check_api_key, run_server
+
+    if a.api_key is not None:
+        key = check_api_key(a.api_key, "--api-key")
+    else:
+        key = check_api_key(os.environ.get("MEMRA_API_KEY"), "MEMRA_API_KEY")
+    cfg = EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                       max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                       kv_cache_blocks=a.kv_cache_blocks, kv_cache_memory=a.kv_cache_memory,
+                       enable_prefix_caching=not a.no_prefix_caching)
+    return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
+                      max_queue=a.max_queue, log_level=a.log_level)
+
+
 def _inspect_config_only(a: argparse.Namespace) -> int:
     """``memra inspect --geometry G`` or ``memra inspect HF_DIR``: config + byte accounting."""
     from pathlib import Path
@@ -248,6 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     _add_sampling(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    _add_model(sv)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' (default: $MEMRA_API_KEY if set, else no auth)")
+    sv.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: --model)")
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once (default 64)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="most tokens per engine step (default 512)")
+    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    kv = sv.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache blocks (full-attention group)")
+    kv.add_argument("--kv-cache-memory", type=_size, default=None,
+                    help="KV-cache bytes, e.g. 2GiB, 512MiB, 1.5GB (default 2GiB)")
+    sv.add_argument("--max-queue", type=int, default=None,
+                    help="most requests waiting for admission; more are answered 429 (default: unbounded)")
+    sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn log level (default info)")
+    sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("inspect", help="metadata, tensor types, parameter count and bytes of a GGUF file", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     i.add_argument("file", nargs="?", default=None, help="GGUF path, model key or HF model directory")

@@ -346,3 +346,25 @@ def test_preemption_on_the_real_model_keeps_greedy_outputs(smol):
     smol.kv.reset_prefix_cache()
     for p, t in zip(prompts, together):
         assert t == run_all(smol, [p], params)[0][0]
+
+
+def test_a_failing_request_does_not_take_the_batch_down(gemma_tiny):
+    eng = make_engine(gemma_tiny, block_size=4, kv_cache_blocks=64, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng.add_request("bad", [3, 4, 5], params)
+    eng.add_request("good", [6, 7, 8], params)
+    bad = next(r for r in eng.scheduler.waiting if r.request_id == "bad")
+
+    def boom(logits):
+        raise ValueError("sampler exploded")
+
+    bad.sampler.sample = boom
+    got, failures = [], []
+    while eng.has_unfinished():
+        for ev in eng.step():
+            assert ev.request_id == "good"
+            got.extend(t for d in ev.deltas for t in d.token_ids)
+        failures += eng.pop_failures()
+    assert [(rid, str(e)) for rid, e in failures] == [("bad", "sampler exploded")]
+    assert got == reference_greedy(gemma_tiny[0], [6, 7, 8], 6)
+    assert eng.kv.num_used_blocks == 0

@@ -173,6 +173,9 @@ class AsyncLLMEngine:
                 continue
             for ev in events:
                 self._deliver(ev.request_id, ev)
+            for rid, e in eng.pop_failures():
+                log.error("request %s failed in the engine: %r", rid, e)
+                self._deliver(rid, RuntimeError(f"internal engine error in this request: {e!r}"))
         for rid in eng.request_ids():
             eng.abort_request(rid)
         self._stats = eng.stats()

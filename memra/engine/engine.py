@@ -154,6 +154,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
         self._num_aborted = 0
+        self._failures: list[tuple[str, Exception]] = []
         self.load_seconds = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- input
@@ -258,17 +259,14 @@ class LLMEngine:
             self.kv.cache_computed(req)
             if id(req) in logits.prompt:
                 self._collect_prompt_logprobs(req, *logits.prompt[id(req)])
-            if id(req) in logits.sample:
-                r = req.sampler.sample(logits.sample[id(req)])
-                self._num_generated += 1
-                text = req.processor.add(r)
-                out = req.output
-                delta = CompletionDelta(req.index, text, [r.token],
-                                        [(r.token, r.logprob, r.top or [])] if req.params.logprobs is not None else None,
-                                        out.finish_reason, out.stop_reason)
-                if out.finish_reason is not None:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED if out.finish_reason == "stop"
-                                          else RequestStatus.FINISHED_LENGTH)
+            if id(req) in logits.sample and req.parent_id in self._parents:
+                try:
+                    delta = self._sample(req, logits.sample[id(req)])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    events.pop(req.parent_id, None)
+                    self.abort_request(req.parent_id)
+                    self._failures.append((req.parent_id, e))
+                    continue
                 self._event(events, req).deltas.append(delta)
         for rid, ev in events.items():
             parent = self._parents[rid]
@@ -276,6 +274,25 @@ class LLMEngine:
                 ev.finished = True
                 del self._parents[rid]
         return list(events.values())
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> CompletionDelta:
+        """Sample the request's next token, detokenize, check stop conditions, finish it if done."""
+        r = req.sampler.sample(logits)
+        self._num_generated += 1
+        text = req.processor.add(r)
+        out = req.output
+        delta = CompletionDelta(req.index, text, [r.token],
+                                [(r.token, r.logprob, r.top or [])] if req.params.logprobs is not None else None,
+                                out.finish_reason, out.stop_reason)
+        if out.finish_reason is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED if out.finish_reason == "stop"
+                                  else RequestStatus.FINISHED_LENGTH)
+        return delta
+
+    def pop_failures(self) -> list[tuple[str, Exception]]:
+        """Requests that failed in the last steps (already aborted), with the exception; clears the list."""
+        out, self._failures = self._failures, []
+        return out
 
     def _event(self, events: dict[str, RequestEvent], req: Request) -> RequestEvent:
         rid = req.parent_id

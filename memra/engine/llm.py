@@ -99,7 +99,10 @@ class LLM:
         s0 = self.engine.stats()
         try:
             while self.engine.has_unfinished():
-                for ev in self.engine.step():
+                events = self.engine.step()
+                for rid, e in self.engine.pop_failures():
+                    raise RuntimeError(f"request {rid} failed in the engine: {e!r}") from e
+                for ev in events:
                     res = results.get(ev.request_id)
                     if res is None:
                         continue
@@ -127,7 +130,10 @@ class LLM:
         t_first, n = None, 0
         try:
             while self.engine.has_unfinished():
-                for ev in self.engine.step():
+                events = self.engine.step()
+                for rid, e in self.engine.pop_failures():
+                    raise RuntimeError(f"request {rid} failed in the engine: {e!r}") from e
+                for ev in events:
                     for d in ev.deltas:
                         n += len(d.token_ids)
                         if t_first is None:

@@ -141,10 +141,18 @@ class Sampler:
             x = torch.where(seen & (x > 0), x / p.repetition_penalty, torch.where(seen, x * p.repetition_penalty, x))
         if p.presence_penalty or p.frequency_penalty:
             x = x - p.presence_penalty * (self.counts > 0).float() - p.frequency_penalty * self.counts
+        if x is not logits:  # an extreme penalty can overflow: keep the order, stay finite
+            x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+        top = x.max()
+        if not bool(torch.isfinite(top)):
+            raise ValueError(f"the model produced no finite logit (max {float(top)}): cannot sample")
         if p.greedy:
             token = int(torch.argmax(x))
         else:
-            x = x / p.temperature
+            # shifting by the max first keeps a tiny temperature exact: the best token's logit is 0,
+            # every other one tends to -inf (its limit is greedy), never inf - inf = nan
+            # (in float64: a temperature below float32's range must not become a division by 0)
+            x = (x.double() - float(top)) / p.temperature
             if p.top_k > 0 and p.top_k < x.numel():
                 kth = torch.topk(x, p.top_k).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))
