@@ -333,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--no-llamacpp", action="store_true")
     bc.add_argument("--json-out", default=None, help="write results here (default: print only)")
     bc.set_defaults(func=cmd_bench_cpu)
+    bce = bsub.add_parser("census", help="decode-kernel census on a CUDA GPU: us/call, TB/s, % of copy bandwidth",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.census import add_census_args, run_from_args
+
+    add_census_args(bce)
+    bce.set_defaults(func=run_from_args)
     bs = bsub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.serve import add_serve_args

@@ -98,18 +98,14 @@ class LLM:
         t0 = time.perf_counter()
         s0 = self.engine.stats()
         try:
-            while self.engine.has_unfinished():
-                events = self.engine.step()
-                for rid, e in self.engine.pop_failures():
-                    raise RuntimeError(f"request {rid} failed in the engine: {e!r}") from e
-                for ev in events:
-                    res = results.get(ev.request_id)
-                    if res is None:
-                        continue
-                    if ev.prompt_logprobs is not None:
-                        res.prompt_logprobs = ev.prompt_logprobs
-                    for d in ev.deltas:
-                        _accumulate(res.outputs, d)
+            for ev in self._events():
+                res = results.get(ev.request_id)
+                if res is None:
+                    continue
+                if ev.prompt_logprobs is not None:
+                    res.prompt_logprobs = ev.prompt_logprobs
+                for d in ev.deltas:
+                    _accumulate(res.outputs, d)
         finally:
             for rid in rids:
                 self.engine.abort_request(rid)
@@ -129,17 +125,13 @@ class LLM:
         t0 = time.perf_counter()
         t_first, n = None, 0
         try:
-            while self.engine.has_unfinished():
-                events = self.engine.step()
-                for rid, e in self.engine.pop_failures():
-                    raise RuntimeError(f"request {rid} failed in the engine: {e!r}") from e
-                for ev in events:
-                    for d in ev.deltas:
-                        n += len(d.token_ids)
-                        if t_first is None:
-                            t_first = time.perf_counter()
-                        if d.text:
-                            yield d.text
+            for ev in self._events():
+                for d in ev.deltas:
+                    n += len(d.token_ids)
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    if d.text:
+                        yield d.text
         finally:
             self.engine.abort_request(rid)
             t_end = time.perf_counter()
@@ -153,6 +145,14 @@ class LLM:
         return self.generate([ids], params)[0]
 
     # ------------------------------------------------------------ helpers
+    def _events(self):
+        """Step the engine until it is idle, yielding its events; a failed request raises RuntimeError."""
+        while self.engine.has_unfinished():
+            events = self.engine.step()
+            for rid, e in self.engine.pop_failures():
+                raise RuntimeError(f"request {rid} failed in the engine: {e!r}") from e
+            yield from events
+
     def _new_id(self) -> str:
         self._next_id += 1
         return f"llm-{self._next_id}"

@@ -1,0 +1,203 @@
+"""Decode linear kernels (memra/kernels/gemv.py) against their torch reference.
+
+CPU (CI): the Triton kernel runs under the interpreter (TRITON_INTERPRET=1) at tiny shapes
+with fp16/fp32 activations (the interpreter's tl.dot is wrong on bf16: shared/GPU.md).
+GPU (``-m gpu``, the H200): the flagship's real shapes, bf16 activations, every format and
+T = 1, 2, 4, 8, 16, with the launch configurations the kernels pick by default.
+Random data everywhere (never zeros).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before memra.kernels._gemv_triton is imported
+
+from memra.kernels.gemv import (  # noqa: E402
+    DecodeWeight,
+    GemvConfig,
+    decode_linear,
+    decode_linear_ref,
+    dequantize_packed,
+    pack_bf16,
+    pack_fp8,
+    pack_nvfp4,
+    pack_q8_0,
+    pack_weight,
+)
+from memra.quant.dequant import quantize_nvfp4, quantize_q8_0  # noqa: E402
+from memra.quant.fp8 import quantize_fp8_block  # noqa: E402
+from memra.quant.tensor import QTensor  # noqa: E402
+from memra.quant.types import QType  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+
+def _weights(n: int, k: int, seed: int = 0) -> dict[str, DecodeWeight]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    return {
+        "bf16": pack_bf16(w),
+        "fp8": pack_fp8(quantize_fp8_block(w, name="w")),
+        "q8_0": pack_q8_0(QTensor("w", QType.Q8_0, (n, k), quantize_q8_0(w).reshape(n, -1))),
+        "nvfp4": pack_nvfp4(QTensor("w", QType.NVFP4, (n, k), quantize_nvfp4(w).reshape(n, -1))),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# load-time repacking (torch only)
+
+
+def test_repack_is_exact():
+    n, k = 24, 256
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g) * 3
+    q8 = QTensor("q", QType.Q8_0, (n, k), quantize_q8_0(w).reshape(n, -1))
+    fp4 = QTensor("f", QType.NVFP4, (n, k), quantize_nvfp4(w).reshape(n, -1))
+    fp8 = quantize_fp8_block(w, name="e")
+    assert torch.equal(dequantize_packed(pack_weight(q8)), q8.dequantize())
+    assert torch.equal(dequantize_packed(pack_weight(fp4)), fp4.dequantize())
+    assert torch.equal(dequantize_packed(pack_weight(fp8)), fp8.dequantize())
+    assert torch.equal(dequantize_packed(pack_weight(w)), w.to(torch.bfloat16).float())
+    p = pack_nvfp4(fp4)
+    assert p.nbytes == fp4.nbytes and pack_q8_0(q8).nbytes == q8.nbytes
+
+
+def test_nvfp4_every_scale_byte_and_code():
+    """All 256 UE4M3 bytes (0x00 and 0x7F decode to 0, 0xFF does not) and all 16 codes,
+    through the repack, the torch reference and the kernel."""
+    n, k = 16, 4096  # 256 sub-blocks per row: one per scale byte
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (n, k // 64, 36), generator=g, dtype=torch.uint8)
+    blocks[:, :, 0:4] = torch.arange(256, dtype=torch.uint8).reshape(1, 64, 4)
+    qt = QTensor("f", QType.NVFP4, (n, k), blocks.reshape(n, -1))
+    p = pack_nvfp4(qt)
+    ref = qt.dequantize()
+    assert torch.equal(dequantize_packed(p), ref)
+    x = torch.randn(1, k, generator=g)
+    y = decode_linear(x.to(_DEV), p.to(_DEV), config=GemvConfig(8, 512, 1, False))
+    yr = x @ ref.T
+    assert float((y.cpu() - yr).abs().max() / yr.abs().max()) < 1e-5
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="Q8_0"):
+        pack_q8_0(QTensor("f", QType.F32, (2, 32), torch.randn(2, 32)))
+    with pytest.raises(ValueError, match="no decode kernel for Q4_K"):
+        pack_weight(QTensor("k", QType.Q4_K, (1, 256), torch.zeros(1, 144, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="2-D float"):
+        pack_bf16(torch.randn(3))
+    with pytest.raises(ValueError, match=r"scale is torch.float32 \(2, 2\), expected contiguous torch.float16"):
+        DecodeWeight("q8_0", 2, 64, torch.zeros(2, 64, dtype=torch.int8), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="unknown format"):
+        DecodeWeight("q4_k", 2, 256, torch.zeros(2, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        DecodeWeight("nvfp4", 2, 96, torch.zeros(2, 48, dtype=torch.uint8), torch.zeros(2, 6, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------
+# the kernel under the interpreter (CPU) or on the GPU at tiny shapes
+
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+_CPU_X = torch.float16  # interpreter: fp16 activations (its bf16 tl.dot is broken)
+
+_CASES = [
+    # (T, config): FMA path at T = 1, 2, 3 (padded to 4), split-K (atomic), tensor-core path
+    (1, GemvConfig(8, 64, 1, False)),
+    (2, GemvConfig(16, 128, 2, False)),
+    (3, GemvConfig(8, 64, 3, False)),
+    (1, GemvConfig(16, 64, 1, True)),
+    (5, GemvConfig(16, 128, 2, True)),
+    (16, GemvConfig(32, 64, 1, True)),
+    (1, GemvConfig(8, 64, 2, False, prefetch=True)),  # register double buffering, split-K
+    (4, GemvConfig(16, 128, 1, False, prefetch=True)),
+]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "q8_0", "nvfp4"])
+def test_kernel_matches_reference(fmt):
+    n, k = 40, 384  # N not a multiple of the row tiles; K not a multiple of bk=256 below
+    w = _weights(n, k, seed=3)[fmt].to(_DEV)
+    g = torch.Generator().manual_seed(4)
+    xdt = torch.bfloat16 if _DEV == "cuda" else _CPU_X
+    for t, cfg in _CASES + [(2, GemvConfig(8, 256, 1, False))]:
+        x = torch.randn(t, k, generator=g).to(xdt).to(_DEV)
+        y = decode_linear(x, w, config=cfg)
+        yr = decode_linear_ref(x, w)
+        rel = float((y - yr).abs().max() / yr.abs().max())
+        # exact weights in fp32 FMAs / exact dot operands: rounding of the sums only; dot with
+        # code * scale rounded to x's dtype: fp8 block and q8_0 (<= 2^-9 bf16, 2^-11 fp16 each)
+        tol = 5e-3 if (cfg.dot and fmt == "q8_0") or (cfg.dot and fmt == "fp8" and cfg.bk > 128) else 1e-5
+        if xdt == torch.bfloat16 and cfg.dot:
+            tol = max(tol, 1e-4)
+        assert y.shape == (t, n) and y.dtype == torch.float32
+        assert rel < tol, (fmt, t, cfg, rel)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0", "nvfp4"])
+def test_kernel_default_config(fmt):
+    """No tuned entry for this shape: default_config (CUDA cores at T <= 2, tensor cores above)."""
+    w = _weights(24, 192, seed=7)[fmt].to(_DEV)
+    g = torch.Generator().manual_seed(8)
+    xdt = torch.bfloat16 if _DEV == "cuda" else _CPU_X
+    for t in (1, 3):
+        x = torch.randn(t, 192, generator=g).to(xdt).to(_DEV)
+        y, yr = decode_linear(x, w), decode_linear_ref(x, w)
+        assert float((y - yr).abs().max() / yr.abs().max()) < (5e-3 if fmt == "q8_0" and t > 2 else 1e-4)
+
+
+def test_kernel_out_dtype_and_out_buffer():
+    w = _weights(24, 128, seed=5)["q8_0"].to(_DEV)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(_DEV)
+    yr = decode_linear_ref(x, w)
+    yb = decode_linear(x, w, out_dtype=torch.bfloat16, config=GemvConfig(8, 64, 2, False))
+    assert yb.dtype == torch.bfloat16
+    assert float((yb.float() - yr).abs().max() / yr.abs().max()) < 1e-2
+    out = torch.full((2, 24), float("nan"), device=_DEV)  # poisoned: every element must be written
+    decode_linear(x, w, config=GemvConfig(16, 64, 1, False), out=out)
+    assert torch.isfinite(out).all()
+    assert float((out - yr).abs().max() / yr.abs().max()) < 1e-5
+
+
+def test_kernel_errors():
+    w = _weights(8, 64)["bf16"]
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        decode_linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="1..16"):
+        decode_linear(torch.randn(17, 64), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode_linear(torch.randn(1, 64), _weights(8, 64)["q8_0"], config=GemvConfig(8, 16))
+    with pytest.raises(ValueError, match="T <= 4"):
+        decode_linear(torch.randn(6, 64), w, config=GemvConfig(8, 64, 1, False))
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the flagship's decode shapes (shared/STEP35.md), default (tuned) configurations
+
+_GPU_SHAPES = [(14432, 4096), (10304, 4096), (4096, 8192), (4096, 12288), (2560, 4096), (4096, 1280),
+               (22528, 4096), (4096, 11264), (5152, 4096), (4096, 640), (128896, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "q8_0", "nvfp4"])
+@pytest.mark.parametrize("n,k", _GPU_SHAPES)
+def test_gpu_real_shapes(fmt, n, k):
+    from memra.bench.census import _random_weight
+
+    g = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+    w = _random_weight(fmt, n, k, g, torch.device("cuda"))
+    wd = dequantize_packed(w)
+    for t in (1, 2, 4, 8, 16):
+        x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
+        yr = x.float() @ wd.T
+        y = decode_linear(x, w)
+        rel = float((y - yr).abs().max() / yr.abs().max())
+        assert torch.isfinite(y).all()
+        assert rel < 5e-3, (fmt, n, k, t, rel)  # bf16 rounding of code * scale in the dot path at most
+        yb = decode_linear(x, w, out_dtype=torch.bfloat16)
+        assert float((yb.float() - yr).abs().max() / yr.abs().max()) < 1e-2
