@@ -13,25 +13,28 @@ __all__ = ["main"]
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model key ({', '.join(MODELS)}) or path to a .gguf file (default: {DEFAULT_MODEL})")
+                   help=f"model key ({', '.join(MODELS)}), path to a .gguf file or a Hugging Face directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="CPU compute dtype")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (None: torch's default, one per core); on a busy machine 1 "
+                        "avoids oversubscription")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler (None: random)")
     g.add_argument("--stop", action="append", default=[], type=_unescape,
                    help="stop string (repeatable); \\n, \\t and \\\\ are read as newline, tab and backslash")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--logprobs", type=int, default=None, help="print the top-N logprobs of each token")
 
 
@@ -277,28 +280,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(sv)
     sv.add_argument("--host", default="127.0.0.1",
-                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
-    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+                    help="address to bind (0.0.0.0 exposes the server to the network)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port")
     sv.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' (default: $MEMRA_API_KEY if set, else no auth)")
-    sv.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: --model)")
-    sv.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once (default 64)")
+                    help="require 'Authorization: Bearer KEY' (None: $MEMRA_API_KEY if set, else no key)")
+    sv.add_argument("--served-model-name", default=None, help="name clients send as 'model' (None: the --model value)")
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     sv.add_argument("--max-num-batched-tokens", type=int, default=512,
-                    help="most tokens per engine step (default 512)")
-    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+                    help="most tokens per engine step")
+    sv.add_argument("--max-model-len", type=int, default=None, help="context length (None: the model's)")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     kv = sv.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache blocks (full-attention group)")
+    kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache blocks per full-attention group (sliding-window groups get what their windows need)")
     kv.add_argument("--kv-cache-memory", type=_size, default=None,
-                    help="KV-cache bytes, e.g. 2GiB, 512MiB, 1.5GB (default 2GiB)")
+                    help="KV-cache bytes, e.g. 2GiB, 512MiB, 1.5GB (None with no --kv-cache-blocks: 2GiB)")
     sv.add_argument("--max-queue", type=int, default=None,
-                    help="most requests waiting for admission; more are answered 429 (default: unbounded)")
+                    help="most requests waiting for admission; more are answered 429 (None: unbounded)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                    help="uvicorn log level (default info)")
+                    help="uvicorn log level")
     sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("inspect", help="metadata, tensor types, parameter count and bytes of a GGUF file", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -357,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        threads = getattr(args, "threads", None)
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"--threads {threads} must be >= 1")
+            import torch
+
+            torch.set_num_threads(threads)
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -958,19 +958,49 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         raise ValueError(f"--port {port} is not a TCP port (0..65535)")
     if max_queue is not None and max_queue < 1:
         raise ValueError(f"--max-queue {max_queue} must be >= 1")
+    # take the port before the model loads: a busy port fails in a second, not after the load
+    sock = _bind(host, port)
     engine = AsyncLLMEngine(LLMEngine(engine_config), max_queue=max_queue)
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key)
     name = app.state.server.model_name
     engine.start()
     try:
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        auth = ' -H "Authorization: Bearer $MEMRA_API_KEY"' if api_key else ""
+        auth = " -H 'Authorization: Bearer YOUR_KEY'" if api_key else ""
         print(f"memra: serving {name!r} (max_model_len {app.state.server.max_model_len}) at {url}/v1", flush=True)
         print(f"memra: {engine.engine.kv_cache_summary()}", flush=True)
         print(f"try:   curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d "
               f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
               f"\"max_tokens\": 32}}'", flush=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return 0
+
+
+def _bind(host: str, port: int):
+    """A listening TCP socket on ``host:port``.
+
+    Raises:
+        ValueError: the address cannot be bound (port in use, unknown host), naming it.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; is another server running there? "
+                         "choose another port with --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
