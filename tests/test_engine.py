@@ -368,3 +368,18 @@ def test_a_failing_request_does_not_take_the_batch_down(gemma_tiny):
     assert [(rid, str(e)) for rid, e in failures] == [("bad", "sampler exploded")]
     assert got == reference_greedy(gemma_tiny[0], [6, 7, 8], 6)
     assert eng.kv.num_used_blocks == 0
+
+
+def test_n_sequences_prefill_the_prompt_once(gemma_tiny):
+    """n = 4 on a 40-token prompt: the prompt is computed once (plus the partial last block per
+    extra sequence), the cache lookup is counted once, and usage's cached count is the first sequence's."""
+    eng = make_engine(gemma_tiny, block_size=4, kv_cache_blocks=128, max_model_len=64, max_num_batched_tokens=512)
+    prompt = rand_prompts(9, 1, 41, 41, VOCAB)[0]  # 10 full blocks + 1 token
+    eng.add_request("x", prompt, SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True))
+    cached = None
+    while eng.has_unfinished():
+        for ev in eng.step():
+            cached = ev.num_cached_tokens
+    s = eng.stats()
+    assert s.num_prompt_tokens_computed == 41 + 3 * 1  # siblings reuse the 40 tokens of full blocks
+    assert s.prefix_cache_queries == 41 and cached == 0

@@ -658,3 +658,28 @@ def test_cli_serve_arguments(monkeypatch, capsys):
     monkeypatch.delenv("MEMRA_API_KEY")
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- found by adversarial testing
+def _raw(http, path, text: str) -> httpx.Response:
+    """POST a JSON body given as text (lone surrogates stay \\ud800 escapes, as a client may send them)."""
+    return http.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_lone_surrogates_are_400_not_500(http):
+    r = _raw(http, "/v1/completions", '{"model": "%s", "prompt": "\\ud800x", "max_tokens": 2}' % NAME)
+    assert r.status_code == 400 and _error(r)["param"] == "prompt"
+    r = _raw(http, "/v1/chat/completions",
+             '{"model": "%s", "messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}' % NAME)
+    assert r.status_code == 400 and _error(r)["param"] == "messages"
+    r = _raw(http, "/tokenize", '{"prompt": "\\ud800"}')
+    assert r.status_code == 400 and _error(r)["param"] == "prompt"
+    r = _raw(http, "/v1/completions", '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}')
+    assert r.status_code == 404 and "\\ud800" in r.text  # the name is quoted, escaped
+    r = _raw(http, "/v1/completions", '{"model": "%s", "prompt": "x", "max_tokens": "\\ud800"}' % NAME)
+    assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
+
+
+def test_batch_larger_than_the_queue_is_400_not_429(client):
+    with pytest.raises(openai.BadRequestError, match="max-queue"):
+        client.completions.create(model=NAME, prompt=["a"] * (MAX_QUEUE + 1), max_tokens=1)

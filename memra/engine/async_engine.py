@@ -48,6 +48,8 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending = 0  # requests in the inbox, not yet handed to the engine
+        self._live: dict[str, str] = {}  # user request id -> engine request id
+        self._serial = 0
         self._thread: threading.Thread | None = None
         self._stop = False
         self._stats = engine.stats()
@@ -66,6 +68,10 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        with self._lock:  # consumers still waiting (also those whose request never reached the engine)
+            waiting = list(self._streams)
+        for eid in waiting:
+            self._deliver(eid, RuntimeError("the engine was shut down"))
 
     # ------------------------------------------------------------------ API
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -87,16 +93,22 @@ class AsyncLLMEngine:
         Leaving the iteration early (``aclose``, cancellation) aborts the request.
         """
         self.validate(prompt_ids, params)
+        if self._stop:
+            raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use")
             if self.max_queue is not None and self._waiting() >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} requests waiting)")
-            self._streams[request_id] = (loop, q)
+            # the engine sees a unique id, so a reused user id never receives a stale request's events
+            self._serial += 1
+            eid = f"{request_id}@{self._serial}"
+            self._live[request_id] = eid
+            self._streams[eid] = (loop, q)
             self._pending += 1
-        self._inbox.put(("add", request_id, list(prompt_ids), params, prompt_logprobs))
+        self._inbox.put(("add", eid, list(prompt_ids), params, prompt_logprobs))
         self._wake.set()
         finished = False
         try:
@@ -104,20 +116,30 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                item.request_id = request_id
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
+                self._streams.pop(eid, None)
+                if self._live.get(request_id) == eid:
+                    del self._live[request_id]
             if not finished:
-                self.abort(request_id)
+                self._inbox.put(("abort", eid))
+                self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if unknown or finished); its blocks are freed at the next step."""
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        """Abort a request by the id given to :meth:`generate` (no-op if unknown or finished); its
+        consumer gets no more events and its blocks are freed at the next step."""
+        with self._lock:
+            eid = self._live.pop(request_id, None)
+            if eid is not None:
+                self._streams.pop(eid, None)
+        if eid is not None:
+            self._inbox.put(("abort", eid))
+            self._wake.set()
 
     # ------------------------------------------------------------ internals
     def _waiting(self) -> int:
@@ -134,16 +156,18 @@ class AsyncLLMEngine:
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Hand queued adds and aborts to the engine; returns the number of adds taken."""
+        handed = 0
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return handed
             if cmd[0] == "add":
                 _, rid, ids, params, plp = cmd
+                handed += 1
                 with self._lock:
-                    self._pending -= 1
                     alive = rid in self._streams
                 if not alive:  # the consumer left before the request reached the engine
                     continue
@@ -158,8 +182,10 @@ class AsyncLLMEngine:
         eng = self.engine
         while not self._stop:
             try:
-                self._drain_inbox()
+                handed = self._drain_inbox()
                 self._stats = eng.stats()
+                with self._lock:  # only now: the stats count them as waiting
+                    self._pending -= handed
                 if not eng.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()

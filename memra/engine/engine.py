@@ -219,6 +219,7 @@ class LLMEngine:
                           OutputProcessor(j, self.tokenizer, params, self.eos_ids, prompt_ids), index=j,
                           prompt_logprobs=prompt_logprobs if j == 0 else None, arrival_time=arrival_time)
             req.parent_id = request_id
+            req.leader = children[0] if children else None
             children.append(req)
         self._parents[request_id] = _Parent(request_id, list(prompt_ids), children)
         self._num_prompt_tokens += len(prompt_ids)
@@ -300,7 +301,7 @@ class LLMEngine:
         ev = events.get(rid)
         if ev is None:
             ev = events[rid] = RequestEvent(rid, parent.prompt_ids,
-                                            num_cached_tokens=max(c.num_cached_tokens for c in parent.children))
+                                            num_cached_tokens=parent.children[0].num_cached_tokens)
             c0 = parent.children[0]
             if c0.collected_prompt_logprobs is not None and not parent.prompt_logprobs_sent:
                 ev.prompt_logprobs = c0.collected_prompt_logprobs

@@ -60,12 +60,14 @@ class OutputProcessor:
             return self._finish("stop", r.token)
         self.buffer += self.detok.add(r.token)
         if self.params.stop:
-            hit = min(((i, s) for s in self.params.stop if (i := self.buffer.find(s)) >= 0), default=None)
+            # the earliest match; at equal positions the stop string listed first
+            hit = min(((i, k) for k, s in enumerate(self.params.stop) if (i := self.buffer.find(s)) >= 0),
+                      default=None)
             if hit is not None:
                 released = self.buffer[: hit[0]]
                 self.buffer = ""
                 out.text += released
-                out.finish_reason, out.stop_reason = "stop", hit[1]
+                out.finish_reason, out.stop_reason = "stop", self.params.stop[hit[1]]
                 return released
         if len(out.token_ids) >= self.params.max_tokens:
             return self._finish("length", None)

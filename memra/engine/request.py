@@ -112,6 +112,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
         self.parent_id = request_id
+        self.leader: Request | None = None  # for sequences 1..n-1 of a request: sequence 0
 
     @property
     def output_ids(self) -> list[int]:

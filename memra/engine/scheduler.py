@@ -8,6 +8,8 @@ and a sequence limit (``max_num_seqs``), what the model computes:
 2. the next prefill chunk of every running request still prefilling;
 3. new (or preempted) requests from the waiting queue, first come first served, each
    starting at its longest cached prefix, prefilled in chunks of what budget is left.
+   The extra sequences of a request with ``n > 1`` are admitted once the first one has
+   prefilled the prompt, so the prompt is computed once and shared through the prefix cache.
 
 When a group's block pool runs dry, the most recently admitted running request that is
 not yet in this step is preempted: its blocks are released, it goes back to the front
@@ -114,9 +116,15 @@ class Scheduler:
                 items.append((req, n))
                 scheduled.add(id(req))
                 budget -= n
-        # admit waiting requests (none in a step that had to preempt)
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        # admit waiting requests in order (none in a step that had to preempt); the n-1 siblings of a
+        # request with n > 1 wait until the first has prefilled the prompt, then reuse its blocks
+        for req in list(self.waiting):
+            if preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            lead = req.leader
+            if (lead is not None and req.num_preemptions == 0 and not lead.status.finished
+                    and lead.num_computed_tokens < len(lead.prompt_ids)):
+                continue
             first = req.num_computed_tokens == 0 and req.num_preemptions == 0
             prefix = self.kv.find_prefix(req)
             start = prefix[0]
@@ -125,8 +133,9 @@ class Scheduler:
                 break
             if first:
                 req.num_cached_tokens = start
-                self.kv.record_lookup(len(req.prompt_ids), start)
-            self.waiting.popleft()
+                if lead is None:  # one lookup per user request
+                    self.kv.record_lookup(len(req.prompt_ids), start)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append((req, n))

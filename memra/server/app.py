@@ -22,6 +22,7 @@ poll ``request.is_disconnected()`` while waiting for the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -85,7 +86,29 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return _AsciiJSONResponse(self.body(), status_code=self.status)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote input holding lone surrogates,
+    which cannot be encoded as UTF-8 but can be written as ``\\udXXX`` escapes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Raises APIError 400 if ``text`` holds a lone surrogate (valid JSON, not valid Unicode text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate at position {e.start}",
+                       param=param) from None
+
+
+async def _in_thread(fn, *args, **kwargs):
+    """Run a CPU-bound call (tokenization, template rendering) off the event loop."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 def _to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
@@ -482,9 +505,10 @@ class _Server:
             return list(spelling.replace("▁", " ").encode("utf-8"))
         return list(self.token_text(token_id).encode("utf-8"))
 
-    def encode_prompt(self, prompt: str | list[int], index: int) -> list[int]:
+    async def encode_prompt(self, prompt: str | list[int], index: int) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            _check_unicode(prompt, "prompt")
+            ids = await _in_thread(self.tokenizer.encode, prompt)
             if not ids:
                 raise APIError(400, f"prompt {index} is empty: it must contain at least one token", param="prompt")
             return ids
@@ -499,6 +523,10 @@ class _Server:
                 left running when it raises.
         """
         arrival = time.monotonic()
+        bound = getattr(self.engine, "max_queue", None)
+        if bound is not None and len(prompts) > bound:  # it could never be admitted: not a retryable 429
+            raise APIError(400, f"a batch of {len(prompts)} prompts is more than the server's queue holds "
+                           f"(--max-queue {bound}); send at most {bound} prompts per request", param=prompt_param)
         try:
             for ids in prompts:
                 self.engine.validate(ids, params)
@@ -702,12 +730,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         try:
             body.check()
             if body.prompt is not None:
-                ids = srv.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+                _check_unicode(body.prompt, "prompt")
+                ids = await _in_thread(srv.tokenizer.encode, body.prompt,
+                                       add_special_tokens=body.add_special_tokens is not False)
             else:
                 msgs = [m.template_dict(i) for i, m in enumerate(body.messages)]
-                text = srv.tokenizer.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt
-                                                         is not False)
-                ids = srv.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+                text = await _in_thread(srv.tokenizer.apply_chat_template, msgs,
+                                        add_generation_prompt=body.add_generation_prompt is not False)
+                _check_unicode(text, "messages")
+                ids = await _in_thread(srv.tokenizer.encode, text, add_special_tokens=bool(body.add_special_tokens))
         except (ValueError, TypeError) as e:
             raise _to_api_error(e if isinstance(e, ValueError) else ValueError(str(e)),
                                 "prompt" if body.prompt is not None else "messages") from None
@@ -734,7 +765,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         srv.check_model(body.model)
         params = body.to_sampling_params()
         raw = body.prompts()
-        prompts = [srv.encode_prompt(p, i) for i, p in enumerate(raw)]
+        prompts = [await srv.encode_prompt(p, i) for i, p in enumerate(raw)]
         echo = bool(body.echo)
         want_plp = body.logprobs if echo and body.logprobs is not None else None
         request_id = random_id("cmpl")
@@ -771,13 +802,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         try:
             messages = body.template_messages()
             kwargs = body.template_kwargs()
-            text = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
-                                                     is not False, **kwargs)
+            text = await _in_thread(srv.tokenizer.apply_chat_template, messages,
+                                    add_generation_prompt=body.add_generation_prompt is not False, **kwargs)
         except TypeError as e:  # e.g. chat_template_kwargs colliding with a template argument
             raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         except ValueError as e:  # ChatTemplateError (incl. no template, raise_exception), ProtocolError
             raise _to_api_error(e, "messages") from None
-        ids = srv.tokenizer.encode(text, add_special_tokens=False)
+        _check_unicode(text, "messages")
+        ids = await _in_thread(srv.tokenizer.encode, text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the rendered conversation is empty", param="messages")
         params = body.to_sampling_params(len(ids), srv.max_model_len)
