@@ -169,6 +169,7 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
+        """Blocks held by at least one request."""
         return self.num_blocks - len(self.free)
 
     def allocate(self) -> int:
@@ -189,12 +190,14 @@ class BlockPool:
         self.ref[b] += 1
 
     def release(self, b: int) -> None:
+        """Drop one reference to block ``b``; at zero it becomes free (still cached if hashed)."""
         self.ref[b] -= 1
         assert self.ref[b] >= 0, f"block {b} released more often than taken"
         if self.ref[b] == 0:
             self.free[b] = None
 
     def lookup(self, h: bytes) -> int | None:
+        """The block holding the tokens hashed to ``h``, or None (always None with caching off)."""
         return self.cached.get(h) if self.enable_caching else None
 
     def register(self, b: int, h: bytes) -> None:
@@ -204,6 +207,7 @@ class BlockPool:
             self.hash[b] = h
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
         self.cached.clear()
         self.hash = [None] * self.num_blocks
 
@@ -241,10 +245,12 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of all groups."""
         return sum(p.num_blocks for p in self.pools)
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by requests, all groups."""
         return sum(p.num_used for p in self.pools)
 
     @property
@@ -349,6 +355,7 @@ class KVCacheManager:
         return True
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one prefix-cache lookup of ``num_tokens`` prompt tokens that found ``num_hit``."""
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
 
@@ -373,5 +380,6 @@ class KVCacheManager:
         req.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix in every group."""
         for p in self.pools:
             p.reset_prefix_cache()

@@ -238,6 +238,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
         return bool(self._parents)
 
     def request_ids(self) -> list[str]:
@@ -335,6 +336,7 @@ class LLMEngine:
                 f"blocks of {self.kv.block_size} tokens: " + "; ".join(parts))
 
     def stats(self) -> EngineStats:
+        """The engine's counters and gauges now."""
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting), kv_blocks_used=self.kv.num_used_blocks,

@@ -99,6 +99,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K and V storage over all layers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 

@@ -24,6 +24,7 @@ __all__ = ["RequestStatus", "Request", "CompletionDelta", "RequestEvent"]
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle (see the module docstring); the value is the finish reason."""
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -33,6 +34,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
+        """Whether the request has ended (stopped, hit its length limit or was aborted)."""
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
@@ -116,6 +118,7 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
+        """Tokens generated so far."""
         return self.processor.out.token_ids
 
     @property
@@ -125,10 +128,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.processor.out.token_ids)
 
     @property
     def output(self) -> CompletionOutput:
+        """The completion accumulated so far."""
         return self.processor.out
 
     def __repr__(self) -> str:

@@ -39,6 +39,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed by the step."""
         return sum(n for _, n in self.items)
 
 
@@ -63,10 +64,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -93,6 +96,7 @@ class Scheduler:
         return None
 
     def schedule(self) -> ScheduledBatch:
+        """Decide the next step (see the module docstring); allocates the blocks it needs."""
         budget = self.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
