@@ -58,6 +58,174 @@ def _nvfp4_pairs(b3, ASM: tl.constexpr):
     return lo, hi
 
 
+# fp16x2 path (nvfp4, FMA path with F16): one 64-bit word = one 16-element sub-block, element e
+# in nibble e. Each 32-bit half gives 4 fp16x2 registers (element k, element k + 4), decoded
+# as E2M1 * 2^-14 (as _NVFP4_ASM), multiplied with the matching fp16x2 pairs of the scaled
+# activations (HMUL2/HFMA2, fp16 partial sum of the 16 products), the two halves summed in fp32.
+# $0: fp32 result bits; $1: the 64-bit code word; $2..$9: x pairs (x_k, x_k+4), k = 0..3, then
+# (x_8+k, x_12+k).
+_NVFP4_H2_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, a, b, w, acc;
+.reg .b16 h0, h1;
+.reg .f32 f0, f1;
+mov.b64 {lo, hi}, $1;
+shl.b32 a, lo, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, lo, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.f16x2 acc, w, $2;
+shl.b32 a, lo, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, lo, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $3, acc;
+shl.b32 a, lo, 1;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, lo, 4;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $4, acc;
+shr.b32 a, lo, 3;
+and.b32 a, a, 0x0E000E00;
+and.b32 b, lo, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $5, acc;
+shl.b32 a, hi, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, hi, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $6, acc;
+shl.b32 a, hi, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, hi, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $7, acc;
+shl.b32 a, hi, 1;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, hi, 4;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $8, acc;
+shr.b32 a, hi, 3;
+and.b32 a, a, 0x0E000E00;
+and.b32 b, hi, 0x80008000;
+or.b32 w, a, b;
+fma.rn.f16x2 acc, w, $9, acc;
+mov.b32 {h0, h1}, acc;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+add.f32 f0, f0, f1;
+mov.b32 $0, f0;
+}
+""")
+
+
+@triton.jit
+def _h2_pair(x_ptr, t, T, kk, k_hi, xs, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    # fp16x2 bits (int32) of (x[t, kk] * xs, x[t, kk + 4] * xs): low half = x[t, kk]
+    if EVEN_K:
+        a = tl.load(x_ptr + kk, mask=t < T, other=0.0).to(tl.float32) * xs
+        b = tl.load(x_ptr + kk + 4, mask=t < T, other=0.0).to(tl.float32) * xs
+    else:
+        a = tl.load(x_ptr + kk, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32) * xs
+        b = tl.load(x_ptr + kk + 4, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32) * xs
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        ha = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hb = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        return ha | (hb << 16)
+
+
+@triton.jit
+def _h2_half(c):
+    # 4-bit code (int32) -> fp32 value of the fp16 E2M1 * 2^-14 (interpreter form)
+    return _e2m1_scaled(c).to(tl.float32)
+
+
+@triton.jit
+def _h2_x(p, hi: tl.constexpr):
+    # fp32 value of the low (hi=0) or high half of fp16x2 bits p (interpreter form)
+    if hi:
+        v = (p >> 16) & 0xFFFF
+    else:
+        v = p & 0xFFFF
+    return v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_dot(q, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """Sum of the 16 products of a sub-block's code word q (int64) with its x pairs."""
+    if ASM:
+        return tl.inline_asm_elementwise(_NVFP4_H2_ASM, "=r,l,r,r,r,r,r,r,r,r", [q, x0, x1, x2, x3, x4, x5, x6, x7],
+                                         dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:  # same products (exact in fp32), summed in fp32 instead of fp16
+        lo = (q & 0xFFFFFFFF).to(tl.int32)
+        hi = ((q >> 32) & 0xFFFFFFFF).to(tl.int32)
+        p = _h2_half(lo & 15) * _h2_x(x0, 0) + _h2_half((lo >> 16) & 15) * _h2_x(x0, 1)
+        p += _h2_half((lo >> 4) & 15) * _h2_x(x1, 0) + _h2_half((lo >> 20) & 15) * _h2_x(x1, 1)
+        p += _h2_half((lo >> 8) & 15) * _h2_x(x2, 0) + _h2_half((lo >> 24) & 15) * _h2_x(x2, 1)
+        p += _h2_half((lo >> 12) & 15) * _h2_x(x3, 0) + _h2_half((lo >> 28) & 15) * _h2_x(x3, 1)
+        p += _h2_half(hi & 15) * _h2_x(x4, 0) + _h2_half((hi >> 16) & 15) * _h2_x(x4, 1)
+        p += _h2_half((hi >> 4) & 15) * _h2_x(x5, 0) + _h2_half((hi >> 20) & 15) * _h2_x(x5, 1)
+        p += _h2_half((hi >> 8) & 15) * _h2_x(x6, 0) + _h2_half((hi >> 24) & 15) * _h2_x(x6, 1)
+        p += _h2_half((hi >> 12) & 15) * _h2_x(x7, 0) + _h2_half((hi >> 28) & 15) * _h2_x(x7, 1)
+        return p
+
+
+@triton.jit
+def _h2_xscale(x_ptr, t, T, k_lo, k_hi, BK: tl.constexpr):
+    """Power of two xs with max |x[t, k_lo:k_hi]| * xs in [2^14, 2^15) (fp16 range with room for
+    16 products of |E2M1 * 2^-14| <= 6 * 2^-14), and 2^22 / xs (2^22: the UE4M3 scale factor of _tile)."""
+    m = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        m = tl.maximum(m, tl.abs(tl.load(x_ptr + kk, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32)))
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 15), 254)
+    xs = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    xinv = ((e - 14) << 23).to(tl.float32, bitcast=True) * 4194304.0  # 2^22: see s2 in _tile
+    return xs, xinv
+
+
+@triton.jit
+def _h2_load(q_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G: tl.constexpr, EVEN_K: tl.constexpr):
+    # codes (int64, one per sub-block) and UE4M3 bytes (int32) of tile [G // 2, BN, 2] at column k0
+    sg = tl.multiple_of(k0 // 16, G) + rg  # k0 is a multiple of BK = 16 G
+    if EVEN_K:
+        g_ok = n_ok[None, :, None]
+    else:
+        g_ok = n_ok[None, :, None] & (sg * 16 < k_hi)
+    if EVEN_K:  # n3: rows clamped to N - 1 (their sums are not stored): no mask
+        q = tl.load(q_ptr + n3 * stride_wn + sg)
+        sb = tl.load(s_ptr + n3 * stride_sn + sg).to(tl.int32)
+    else:
+        q = tl.load(q_ptr + n3 * stride_wn + sg, mask=g_ok, other=0)
+        sb = tl.load(s_ptr + n3 * stride_sn + sg, mask=g_ok, other=0).to(tl.int32)
+    return q, sb
+
+
+@triton.jit
+def _h2_col(acc, q, s2, x_ptr, t, T, k0, k_hi, xs, G: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    # acc [G // 2, BN, 2] += (sub-block sums of column t) * scale
+    kk = k0 + (tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]) * 16
+    x0 = _h2_pair(x_ptr, t, T, kk + 0, k_hi, xs, ASM, EVEN_K)
+    x1 = _h2_pair(x_ptr, t, T, kk + 1, k_hi, xs, ASM, EVEN_K)
+    x2 = _h2_pair(x_ptr, t, T, kk + 2, k_hi, xs, ASM, EVEN_K)
+    x3 = _h2_pair(x_ptr, t, T, kk + 3, k_hi, xs, ASM, EVEN_K)
+    x4 = _h2_pair(x_ptr, t, T, kk + 8, k_hi, xs, ASM, EVEN_K)
+    x5 = _h2_pair(x_ptr, t, T, kk + 9, k_hi, xs, ASM, EVEN_K)
+    x6 = _h2_pair(x_ptr, t, T, kk + 10, k_hi, xs, ASM, EVEN_K)
+    x7 = _h2_pair(x_ptr, t, T, kk + 11, k_hi, xs, ASM, EVEN_K)
+    return acc + _h2_dot(q, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s2
+
+
 @triton.jit
 def _ue4m3_raw(b):
     # UE4M3 byte (int32) -> fp32 with the same exponent/mantissa bits read as fp16 (bias 15
@@ -152,7 +320,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
                  EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
     """y[t, n] (+)= sum_k x[t, k] W[n, k] for rows pid_n*BN.., K range pid_k*k_per_split..
 
-    DOT=False: BT in {1, 2, 4}, one fp32 accumulator [BN, G] per column t, fp32 FMAs.
+    DOT=False: BT in {1, 2, 4}, one fp32 accumulator [BN, G] per column t, fp32 FMAs; for
+    nvfp4 with F16, fp16x2 sub-block sums instead (_NVFP4_H2_ASM; stride_wn in 8-byte words).
     DOT=True: BT = 16, tl.dot of x with the dequantized tile (cast to x's dtype, or with
     F16 both operands in fp16).
     """
@@ -195,6 +364,53 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
             tl.atomic_add(yp, acc, mask=ym, sem="relaxed")
         else:
             tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ym)
+    elif FMT == 2 and F16:  # nvfp4, fp16x2 products per sub-block (see _NVFP4_H2_ASM)
+        xs0, xi0 = _h2_xscale(x_ptr, 0, T, k_lo, k_hi, 16 * G)
+        xs1, xi1 = _h2_xscale(x_ptr + stride_xt, 1, T, k_lo, k_hi, 16 * G)
+        xs2, xi2 = _h2_xscale(x_ptr + 2 * stride_xt, 2, T, k_lo, k_hi, 16 * G)
+        xs3, xi3 = _h2_xscale(x_ptr + 3 * stride_xt, 3, T, k_lo, k_hi, 16 * G)
+        # tile [G // 2, BN, 2]: pairs of sub-blocks (16-byte code loads, 2-byte scale loads); this
+        # dimension order makes Triton spread a warp's threads along K first, then rows, so that each
+        # thread meets the same few x pairs in several rows
+        acc0 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc1 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc2 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        q_ptr = w_ptr.to(tl.pointer_type(tl.int64))  # stride_wn: in 8-byte words here (host)
+        rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        n3 = tl.minimum(rn, N - 1)[None, :, None]
+        if PREFETCH:
+            q, sb = _h2_load(q_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+        else:  # loop-carried placeholders only
+            q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
+            sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
+        for k0 in range(k_lo, k_hi, BK):
+            if PREFETCH:  # next step's codes and scales in flight while this step computes
+                if EVEN_K:  # unmasked loads: the last step re-loads its own tile (in bounds) instead
+                    qn, sbn = _h2_load(q_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
+                                       stride_sn, rg, G, EVEN_K)
+                else:
+                    qn, sbn = _h2_load(q_ptr, s_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
+                                       rg, G, EVEN_K)
+            else:
+                q, sb = _h2_load(q_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+                qn = q
+                sbn = sb
+            s2 = _ue4m3_raw(sb)  # times 2^22 (as in _tile) in the final factor xi
+            acc0 = _h2_col(acc0, q, s2, x_ptr, 0, T, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if BT > 1:
+                acc1 = _h2_col(acc1, q, s2, x_ptr + stride_xt, 1, T, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if BT > 2:
+                acc2 = _h2_col(acc2, q, s2, x_ptr + 2 * stride_xt, 2, T, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _h2_col(acc3, q, s2, x_ptr + 3 * stride_xt, 3, T, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+            sb = sbn
+        _put(y_ptr, tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0, 0, T, rn, n_ok, stride_yt, ATOMIC)
+        if BT > 1:
+            _put(y_ptr, tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1, 1, T, rn, n_ok, stride_yt, ATOMIC)
+        if BT > 2:
+            _put(y_ptr, tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2, 2, T, rn, n_ok, stride_yt, ATOMIC)
+            _put(y_ptr, tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3, 3, T, rn, n_ok, stride_yt, ATOMIC)
     else:
         acc0 = tl.zeros([BN, G], dtype=tl.float32)
         acc1 = tl.zeros([BN, G], dtype=tl.float32)

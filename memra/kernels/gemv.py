@@ -35,6 +35,14 @@ small N still fills the 132 SMs. Two inner products:
   reference up to summation order. NVFP4 nibbles are decoded 8 at a time by a few
   integer instructions (inline PTX, ``_NVFP4_ASM``; the interpreter uses the same
   arithmetic in Triton ops). ``prefetch`` double-buffers the weight tile in registers.
+- ``dot=False, f16=True``, nvfp4 only (T <= 4; the default at T <= 2): fp16x2 products. Each
+  16-element sub-block is read as one 8-byte word and decoded to 8 fp16x2 registers
+  (E2M1 * 2^-14, exact); x is scaled per program and column by a power of two so that
+  max |x| lands in [2^14, 2^15), converted to fp16 pairs, and the 16 products are summed by
+  HMUL2/HFMA2 in fp16 (``_NVFP4_H2_ASM``); the sum goes to fp32, times the UE4M3 scale, and
+  the power of two is undone at the end. Error: fp16 rounding of the sub-block sums (measured
+  relative error 3-6e-4 of max |y| at the flagship shapes, vs ~1e-7 for the fp32 path); x
+  elements below max |x| * 2^-24 of their program's K range are lost to fp16 underflow.
 - ``dot=True`` (any T, padded to 16): ``tl.dot`` of x [16, bk] with the dequantized tile on
   tensor cores (bf16 operands). Exact operands for bf16, NVFP4 and FP8 (codes in the dot,
   the 128x128 block scale applied to the fp32 product when ``bk <= 128``); Q8_0 weights
@@ -297,7 +305,9 @@ class GemvConfig:
     along K, ``dot`` (tensor cores, T padded to 16), ``num_warps``, ``num_stages``;
     ``f16``: with ``dot``, both dot operands in fp16 (x is converted in the kernel: exact for
     bf16 x with 2^-14 <= |x| < 65504 or x = 0, rounded below that, inf above: use it only
-    where activations are known to be in range); ``library``: bf16 only, call cuBLAS
+    where activations are known to be in range); without ``dot``, nvfp4 only: the fp16x2 path
+    (x scaled by a power of two per program, any finite range; fp16 sums of 16 products,
+    ~5e-4 relative error; ``bk >= 32``); ``library``: bf16 only, call cuBLAS
     (``torch.mm``) instead of the Triton kernel; ``prefetch``: without ``dot``, load the next
     loop step's weight tile before using the current one (register double buffering)."""
 
@@ -320,11 +330,19 @@ def _sm_count(device: torch.device) -> int:
 
 def default_config(fmt: str, n: int, k: int, t: int, sm_count: int = 132) -> GemvConfig:
     """A configuration for shapes the tuned table lacks: cuBLAS for bf16 (faster than these
-    kernels at most decode shapes); else the tile most often fastest in the H200 census
-    (fp8/q8_0 16 x 256, nvfp4 8 x 512 on CUDA cores for T <= 2; 32 x 128 tensor-core tiles
-    for T > 2), split along K until there are ~4 programs per SM."""
+    kernels at most decode shapes); nvfp4 at T <= 2: the fp16x2 path, 64 x 512 with prefetch;
+    else the tile most often fastest in the H200 census (fp8/q8_0 16 x 256 on CUDA cores for
+    T <= 2; 32 x 128 tensor-core tiles for T > 2), split along K until there are ~4 programs per SM."""
     if fmt == "bf16":
         return GemvConfig(16, 128, 1, True, library=True)
+    if fmt == "nvfp4" and t <= 2:  # fp16x2 path (f16), 64 x 512 tiles, next tile prefetched
+        bk = 512
+        while bk > 32 and (bk > k or k % bk):
+            bk //= 2
+        split = 1
+        while -(-n // 64) * split < 4 * sm_count and k // (bk * split * 2) >= 2 and split < 8:
+            split *= 2
+        return GemvConfig(64, bk, split, False, 4, 2, f16=True, prefetch=True)
     dot = t > 2
     bn, bk = (32, 128) if dot else {"fp8": (16, 256), "q8_0": (16, 256), "nvfp4": (8, 512)}[fmt]
     while bk > _GS[fmt] and (bk > k or k % bk):  # whole loop steps keep 16-byte vector loads
@@ -385,6 +403,8 @@ def _validate_config(cfg: GemvConfig, fmt: str) -> None:
         raise ValueError(f"GemvConfig: bn = {cfg.bn} must be a power of two and split_k = {cfg.split_k} >= 1")
     if cfg.dot and (cfg.bn < 16 or cfg.bk < 16):
         raise ValueError(f"GemvConfig: dot=True needs bn, bk >= 16, got {cfg.bn}, {cfg.bk}")
+    if fmt == "nvfp4" and cfg.f16 and not cfg.dot and cfg.bk < 32:
+        raise ValueError(f"GemvConfig: nvfp4 with f16 and dot=False needs bk >= 32, got {cfg.bk}")
 
 
 def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = torch.float32,
@@ -439,10 +459,13 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
     else:
         y = out if out is not None else torch.empty(t, n, device=x.device, dtype=out_dtype)
     s = w.scale if w.scale is not None else w.data
+    stride_w = w.data.stride(0)
+    if w.fmt == "nvfp4" and cfg.f16 and not cfg.dot:
+        stride_w //= 8  # the fp16x2 path reads the codes as 8-byte words (K/2 is a multiple of 32)
     grid = (-(-n // cfg.bn), split)
     _kernel()[grid](
         x, w.data, s, y, t, n, k, k_per_split,
-        x.stride(0), y.stride(0), w.data.stride(0), s.stride(0),
+        x.stride(0), y.stride(0), stride_w, s.stride(0),
         FMT=_FMT_ID[w.fmt], BT=bt, BN=cfg.bn, G=bk // _GS[w.fmt], GS=_GS[w.fmt],
         DOT=cfg.dot, ATOMIC=atomic, EVEN_K=(k % bk == 0), ASM=not interpret_mode(), F16=cfg.f16, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
