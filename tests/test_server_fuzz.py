@@ -1,6 +1,9 @@
 """Schema-driven fuzzing of the server: schemathesis generates requests (valid and invalid)
 from the app's own OpenAPI schema and checks that none gets a 5xx.
 
+CI runs 12 derandomized examples per operation; ``MEMRA_FUZZ_EXAMPLES=N`` runs N random
+ones per operation (a longer hunt).
+
 The server runs on the real engine with a 40-token context, so most generated
 ``max_tokens`` are rejected (400) and those accepted generate a few tokens only; a
 request still running after a few seconds (e.g. n=128) is abandoned by the client,
@@ -9,6 +12,8 @@ idle with every KV block free, and the server must still answer.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import requests
@@ -47,7 +52,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("MEMRA_FUZZ_EXAMPLES", "12")), deadline=None,
+          derandomize=os.environ.get("MEMRA_FUZZ_EXAMPLES") is None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 def test_no_server_errors(case, fuzz_server):
     try:

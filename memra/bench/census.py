@@ -234,6 +234,16 @@ def _tolerance(fmt: str, cfg) -> float:
 
 
 def run_census(a: argparse.Namespace) -> dict:
+    """Measure every (format, shape, T) point selected by ``a`` on the current CUDA GPU.
+
+    Each point is checked against the torch reference on random weights first, then timed by
+    CUDA-graph replay with weight copies rotated past L2. Returns the result dict written as JSON
+    (machine, versions, commit, copy-bandwidth ceiling in TB/s, one row per point with µs per
+    call, TB/s, % of copy bandwidth and ms per token).
+
+    Raises:
+        SystemExit: no CUDA device, or an unknown format or shape name.
+    """
     import torch
 
     import triton
@@ -422,6 +432,7 @@ def plot(res: dict, path: str) -> str:
 
 
 def add_census_args(p: argparse.ArgumentParser) -> None:
+    """Add ``memra bench census``'s options to ``p``."""
     p.add_argument("--formats", default="bf16,fp8,nvfp4,q8_0", help="comma list of bf16,fp8,nvfp4,q8_0")
     p.add_argument("--tp", default="1,2", help="tensor-parallel shapes: comma list of 1,2")
     p.add_argument("--t", default="1,2,4,8,16", help="decode widths (columns), each 1..16")

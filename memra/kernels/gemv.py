@@ -478,6 +478,7 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
 
 
 def config_to_json(cfg: GemvConfig) -> dict:
+    """The launch configuration as a JSON-able dict (the form kept in gemv_configs.json)."""
     return asdict(cfg)
 
 
