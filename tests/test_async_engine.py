@@ -62,7 +62,9 @@ def test_shutdown_ends_waiting_consumers_and_refuses_new_requests(tiny):
     async def run():
         agen = eng.generate([5, 6, 7], greedy(100), "long")
         await agen.__anext__()
+        assert eng.is_running
         await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        assert not eng.is_running
         with pytest.raises(RuntimeError, match="shut down"):
             await asyncio.wait_for(collect(agen), 10)
         with pytest.raises(RuntimeError, match="shut down"):

@@ -683,3 +683,21 @@ def test_lone_surrogates_are_400_not_500(http):
 def test_batch_larger_than_the_queue_is_400_not_429(client):
     with pytest.raises(openai.BadRequestError, match="max-queue"):
         client.completions.create(model=NAME, prompt=["a"] * (MAX_QUEUE + 1), max_tokens=1)
+
+
+def test_health_is_503_when_the_engine_loop_stopped(engine):
+    class Stopped:  # the real engine, seen as stopped
+        is_running = False
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+    app = create_app(Stopped(), served_model_name=NAME)
+
+    async def probe():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health")
+
+    r = asyncio.run(probe())
+    assert r.status_code == 503 and _error(r)["code"] == "engine_stopped"
+    assert engine.is_running

@@ -73,6 +73,11 @@ class AsyncLLMEngine:
         for eid in waiting:
             self._deliver(eid, RuntimeError("the engine was shut down"))
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive and not shutting down (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
     # ------------------------------------------------------------------ API
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise what :meth:`LLMEngine.validate` raises for a bad request (safe from any thread)."""

@@ -701,8 +701,12 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                             headers=getattr(exc, "headers", None))
 
     # ------------------------------------------------------------------ meta routes
-    @app.get("/health", summary="liveness: 200 while the server runs")
-    async def health() -> dict[str, str]:
+    @app.get("/health", summary="liveness: 200 while the engine loop runs, 503 if it stopped",
+             responses={503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
+    async def health():
+        """200 ``{"status": "ok"}`` while the engine thread runs; 503 (OpenAI error body) otherwise."""
+        if not getattr(srv.engine, "is_running", True):
+            return APIError(503, "the engine loop is not running", "server_error", None, "engine_stopped").response()
         return {"status": "ok"}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
