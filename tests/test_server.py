@@ -544,28 +544,25 @@ def test_metrics(server, client):
 # --------------------------------------------------------------------------- engine failures
 
 class _FlakyEngine:
-    """Delegates to the real engine but fails every request after its first event."""
+    """The real engine, except that every request fails after its first event."""
 
     def __init__(self, real: AsyncLLMEngine):
         self.real = real
-        self.engine = real.engine
 
-    def validate(self, ids, params):
-        self.real.validate(ids, params)
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
-    def stats(self):
-        return self.real.stats()
+    def submit(self, ids, params, request_id, prompt_logprobs=None):
+        stream = self.real.submit(ids, params, request_id, prompt_logprobs=prompt_logprobs)
 
-    def abort(self, rid):
-        self.real.abort(rid)
+        async def failing():
+            try:
+                yield await stream.__anext__()
+                raise RuntimeError("simulated engine failure")
+            finally:
+                await stream.aclose()
 
-    async def generate(self, ids, params, request_id, prompt_logprobs=None):
-        agen = self.real.generate(ids, params, request_id, prompt_logprobs=prompt_logprobs)
-        try:
-            yield await agen.__anext__()
-            raise RuntimeError("simulated engine failure")
-        finally:
-            await agen.aclose()
+        return failing()
 
 
 def test_engine_failure_is_500_and_server_survives(engine, client):

@@ -20,7 +20,7 @@ from .engine import EngineStats, LLMEngine
 from .request import RequestEvent
 from .sampling import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "QueueFullError"]
+__all__ = ["AsyncLLMEngine", "QueueFullError", "RequestStream"]
 
 log = logging.getLogger("memra.engine")
 
@@ -87,15 +87,18 @@ class AsyncLLMEngine:
         """The engine's counters as of its last step."""
         return self._stats
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt_logprobs: int | None = None) -> AsyncIterator[RequestEvent]:
-        """Submit a request and yield its events until it finishes.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+               prompt_logprobs: int | None = None) -> "RequestStream":
+        """Queue a request now (call from a running event loop) and return its event stream.
+
+        Everything that can refuse the request is raised here, synchronously, before any
+        event: the server answers such errors before it starts a response.
 
         Raises:
-            ValueError, PromptTooLongError, KVCapacityError: bad request (see :meth:`validate`).
+            ValueError, PromptTooLongError, KVCapacityError: bad request (see :meth:`validate`);
+                ValueError also for a request id already in use.
             QueueFullError: ``max_queue`` requests are already waiting.
-            RuntimeError: (from the iteration) the engine failed while computing this request.
-        Leaving the iteration early (``aclose``, cancellation) aborts the request.
+            RuntimeError: the engine is shut down.
         """
         self.validate(prompt_ids, params)
         if self._stop:
@@ -115,25 +118,32 @@ class AsyncLLMEngine:
             self._pending += 1
         self._inbox.put(("add", eid, list(prompt_ids), params, prompt_logprobs))
         self._wake.set()
-        finished = False
+        return RequestStream(self, request_id, eid, q)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt_logprobs: int | None = None) -> AsyncIterator[RequestEvent]:
+        """:meth:`submit` then yield the request's events until it finishes (raising as submit
+        does on the first iteration). Leaving early (``aclose``, cancellation) aborts the request.
+
+        Raises:
+            RuntimeError: (from the iteration) the engine failed while computing this request.
+        """
+        stream = self.submit(prompt_ids, params, request_id, prompt_logprobs)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                item.request_id = request_id
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for ev in stream:
+                yield ev
         finally:
-            with self._lock:
-                self._streams.pop(eid, None)
-                if self._live.get(request_id) == eid:
-                    del self._live[request_id]
-            if not finished:
-                self._inbox.put(("abort", eid))
-                self._wake.set()
+            await stream.aclose()
+
+    def _release(self, request_id: str, eid: str, abort: bool) -> None:
+        """Forget a consumer's stream; abort its engine request unless it finished."""
+        with self._lock:
+            self._streams.pop(eid, None)
+            if self._live.get(request_id) == eid:
+                del self._live[request_id]
+        if abort:
+            self._inbox.put(("abort", eid))
+            self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Abort a request by the id given to :meth:`generate` (no-op if unknown or finished); its
@@ -210,3 +220,43 @@ class AsyncLLMEngine:
         for rid in eng.request_ids():
             eng.abort_request(rid)
         self._stats = eng.stats()
+
+
+class RequestStream:
+    """The events of one submitted request (an async iterator of RequestEvent).
+
+    Ends after the finished event. :meth:`aclose`, or a cancellation while waiting, ends it
+    early and aborts the request (its KV blocks are freed at the next engine step).
+    """
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, eid: str, q: asyncio.Queue):
+        self._owner, self._request_id, self._eid, self._q = owner, request_id, eid, q
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestEvent:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._q.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):  # the engine already ended this request
+            self._close(abort=False)
+            raise item
+        item.request_id = self._request_id
+        if item.finished:
+            self._close(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request if it has not finished."""
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._release(self._request_id, self._eid, abort)

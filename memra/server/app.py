@@ -40,7 +40,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import QueueFullError
 from ..engine.engine import PromptTooLongError
-from ..engine.llm import PromptTooLongError as _LLMPromptTooLongError
 from ..engine.sampling import SamplingParams
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
@@ -118,7 +117,7 @@ def _to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, f"the server is busy: {exc}" if str(exc) else "the server is busy: the request "
                         "queue is full; retry later", "rate_limit_error", None, "queue_full")
-    if isinstance(exc, (PromptTooLongError, _LLMPromptTooLongError)):
+    if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, ProtocolError):
         return APIError(400, exc.message, param=exc.param)
@@ -308,7 +307,8 @@ class _Run:
         self.params = params
         self.request_id = request_id
         self.arrival = arrival
-        self.agen = server.engine.generate(prompt_ids, params, request_id, prompt_logprobs=prompt_logprobs)
+        self.prompt_logprobs = prompt_logprobs
+        self.agen = None
         self.first = None
         self._next: asyncio.Future | None = None
         self.tracker = None
@@ -317,18 +317,11 @@ class _Run:
 
     async def start(self) -> None:
         """Submit the request: returns once the engine has accepted it (it does not wait for
-        the first token). Raises what ``generate`` raises up front (ValueError,
+        the first token). Raises what ``AsyncLLMEngine.submit`` raises (ValueError,
         PromptTooLongError, QueueFullError)."""
+        self.agen = self.server.engine.submit(self.prompt_ids, self.params, self.request_id,
+                                              prompt_logprobs=self.prompt_logprobs)
         self._next = asyncio.ensure_future(self.agen.__anext__())
-        for _ in range(3):  # generate() validates and enqueues before its first suspension
-            if self._next.done():
-                break
-            await asyncio.sleep(0)
-        if self._next.done() and self._next.exception() is not None:
-            exc = self._next.exception()
-            if isinstance(exc, StopAsyncIteration):
-                raise RuntimeError(f"engine produced no events for request {self.request_id}")
-            raise exc
         self.tracker = self.server.metrics.tracker(self.params.n, self.arrival)
 
     def _seen(self, ev) -> None:
@@ -367,7 +360,8 @@ class _Run:
             self._next.cancel()  # cancelling the pending step of the generator ends it (and aborts)
             await asyncio.gather(self._next, return_exceptions=True)
         try:
-            await self.agen.aclose()
+            if self.agen is not None:
+                await self.agen.aclose()
         except Exception:  # the request ends either way
             log.exception("closing engine request %s", self.request_id)
         if not self.finished:
@@ -523,7 +517,7 @@ class _Server:
                 left running when it raises.
         """
         arrival = time.monotonic()
-        bound = getattr(self.engine, "max_queue", None)
+        bound = self.engine.max_queue
         if bound is not None and len(prompts) > bound:  # it could never be admitted: not a retryable 429
             raise APIError(400, f"a batch of {len(prompts)} prompts is more than the server's queue holds "
                            f"(--max-queue {bound}); send at most {bound} prompts per request", param=prompt_param)
@@ -705,7 +699,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
              responses={503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
     async def health():
         """200 ``{"status": "ok"}`` while the engine thread runs; 503 (OpenAI error body) otherwise."""
-        if not getattr(srv.engine, "is_running", True):
+        if not srv.engine.is_running:
             return APIError(503, "the engine loop is not running", "server_error", None, "engine_stopped").response()
         return {"status": "ok"}
 
