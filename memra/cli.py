@@ -14,7 +14,15 @@ __all__ = ["main"]
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model key ({', '.join(MODELS)}), path to a .gguf file or a Hugging Face directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="CPU compute dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype (None: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--device", default="cpu",
+                   help="'cpu' or a CUDA device ('cuda', 'cuda:1'): weights stay in their checkpoint format "
+                        "on the GPU and decode steps replay CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: fraction of the device's memory to use in all (weights, activations, graphs, "
+                        "and the KV cache, which gets what is left)")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (None: torch's default, one per core); on a busy machine 1 "
                         "avoids oversubscription")
@@ -65,7 +73,8 @@ def _params(a: argparse.Namespace, **over):
 def _load(a: argparse.Namespace):
     from .engine.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty())
+    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty(), device=a.device,
+               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -155,7 +164,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                        kv_cache_blocks=a.kv_cache_blocks, kv_cache_memory=a.kv_cache_memory,
-                       enable_prefix_caching=not a.no_prefix_caching)
+                       enable_prefix_caching=not a.no_prefix_caching, device=a.device,
+                       gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
     return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                       max_queue=a.max_queue, log_level=a.log_level)
 
@@ -297,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv = sv.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache blocks per full-attention group (sliding-window groups get what their windows need)")
     kv.add_argument("--kv-cache-memory", type=_size, default=None,
-                    help="KV-cache bytes, e.g. 2GiB, 512MiB, 1.5GB (None with no --kv-cache-blocks: 2GiB)")
+                    help="KV-cache bytes, e.g. 2GiB, 512MiB, 1.5GB (None with no --kv-cache-blocks: 2GiB on the CPU, "
+                         "what --gpu-memory-utilization leaves on a GPU)")
     sv.add_argument("--max-queue", type=int, default=None,
                     help="most requests waiting for admission; more are answered 429 (None: unbounded)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -343,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_census_args(bce)
     bce.set_defaults(func=run_from_args)
+    bde = bsub.add_parser("decode", help="the flagship's whole decode step on one GPU (synthetic weights in GPU "
+                          "memory): tok/s at several batch sizes vs the byte roofline, per-phase split",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.decode import add_decode_args
+    from .bench.decode import run_from_args as run_decode
+
+    add_decode_args(bde)
+    bde.set_defaults(func=run_decode)
     bs = bsub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.serve import add_serve_args

@@ -19,7 +19,7 @@ from ..hub import resolve_model
 from ..io.tokenizer import Tokenizer
 from ..models import load_model
 from .block_manager import KVCacheManager, kv_groups, plan_kv_blocks
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .request import CompletionDelta, Request, RequestEvent, RequestStatus
@@ -50,10 +50,16 @@ class EngineConfig:
         kv_cache_blocks: blocks per full-attention group; or
         kv_cache_memory: bytes for the whole KV cache (default 2 GiB when neither is given).
         enable_prefix_caching: reuse cached blocks of identical prompt prefixes.
+        device: ``"cpu"`` or a CUDA device (``"cuda"``, ``"cuda:1"``). On a GPU the weights keep
+            their checkpoint format (:meth:`~memra.models.base.CausalLM.to_gpu`), decode
+            steps replay CUDA graphs, and the KV cache takes ``gpu_memory_utilization`` of the
+            device's memory minus weights, activations and graphs (unless sized explicitly).
+        gpu_memory_utilization: fraction of the GPU's memory memra may use in all (0 < f <= 1).
+        enforce_eager: GPU: run every step eagerly (no CUDA graphs).
     """
 
     model: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str | None = None  # default: float32 on the CPU, bfloat16 on a GPU
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -61,8 +67,25 @@ class EngineConfig:
     kv_cache_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self):
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={self.device!r} is not a device (expected 'cpu' or 'cuda[:N]')") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: supported devices are 'cpu' and 'cuda[:N]'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}: this torch build sees no CUDA GPU")
+        if self.dtype is None:
+            self.dtype = "float32" if dev.type == "cpu" else "bfloat16"
+        if dev.type == "cuda" and DTYPES.get(self.dtype) != torch.bfloat16:
+            raise ValueError(f"dtype={self.dtype!r} on a GPU: the GPU kernels compute in bfloat16")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (supported: {', '.join(DTYPES)})")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -121,15 +144,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         dtype = DTYPES[cfg.dtype]
         self.checkpoint = None
+        device = torch.device(cfg.device)
         if model is None:
             local = Path(cfg.model).expanduser()
             path = local if local.is_dir() else resolve_model(str(cfg.model))
             model, self.checkpoint = load_model(path, dtype, progress=progress)
+            if device.type == "cuda":
+                model.to_gpu(device, dtype)
             tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
                          else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
             self.model_name = str(cfg.model)
         else:
             self.model_name = str(cfg.model)
+            if device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
+                model.to_gpu(device, dtype)
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         self.eos_ids = sorted(set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
@@ -140,22 +168,74 @@ class LLMEngine:
         groups = kv_groups(self.config)
         kv_dtype = model.dtype
         memory = cfg.kv_cache_memory
+        self.memory_report = ""
         if cfg.kv_cache_blocks is None and memory is None:
-            memory = DEFAULT_KV_CACHE_MEMORY
+            memory = DEFAULT_KV_CACHE_MEMORY if device.type == "cpu" else self._gpu_kv_budget(groups, device)
         blocks = plan_kv_blocks(groups, cfg.block_size, kv_dtype, num_blocks=cfg.kv_cache_blocks,
                                 memory_bytes=memory, max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
         self.kv = KVCacheManager(groups, blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.cache = PagedKVCache(groups, blocks, cfg.block_size, kv_dtype)
+        # on a GPU each group gets one more block, never allocated: padded decode rows write there
+        extra = 1 if device.type == "cuda" else 0
+        self.cache = PagedKVCache(groups, [b + extra for b in blocks], cfg.block_size, kv_dtype, device=device)
         from .scheduler import Scheduler
 
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache)
+        graphs = None
+        if device.type == "cuda" and not cfg.enforce_eager:
+            from .cuda_graph import CudaGraphRunner
+
+            graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
+                                     scratch_blocks=blocks)
+            graphs.capture()
+            self.memory_report += (f"; CUDA graphs: {len(graphs.buckets)} batch sizes ({graphs.buckets[0]}.."
+                                   f"{graphs.buckets[-1]}) in {graphs.capture_seconds:.1f} s, "
+                                   f"{graphs.pool_bytes / 2**20:.0f} MiB")
+        self.graphs = graphs
+        self.runner = ModelRunner(model, self.cache, graphs)
         self._parents: dict[str, _Parent] = {}
         self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
         self._num_aborted = 0
         self._failures: list[tuple[str, Exception]] = []
         self.load_seconds = time.perf_counter() - t0
+
+    def _gpu_kv_budget(self, groups, device: torch.device) -> int:
+        """Bytes for the KV cache on a GPU: ``gpu_memory_utilization`` of the device's memory
+        minus what is in use now (CUDA context, weights), the peak activations of one
+        ``max_num_batched_tokens`` prefill step (measured by running one on a scratch cache)
+        and a margin for the CUDA graphs' memory pool.
+
+        Raises: ValueError if nothing is left for the KV cache (names the numbers)."""
+        cfg = self.engine_config
+        t = min(cfg.max_num_batched_tokens, self.max_model_len)
+        scratch_blocks = -(-t // cfg.block_size) + 1
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        cache = PagedKVCache(groups, [scratch_blocks] * len(groups), cfg.block_size, self.model.dtype, device=device)
+        kv = PagedBatch(cache, [SeqChunk(0, t, [list(range(scratch_blocks - 1))] * len(groups))])
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(t, dtype=torch.int64, device=device),
+                                torch.arange(t, device=device), kv)
+            self.model.logits(hidden[-1:])
+        torch.cuda.synchronize(device)
+        activations = torch.cuda.max_memory_allocated(device) - base
+        del cache, kv, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        graph_margin = 0 if cfg.enforce_eager else 512 << 20
+        budget = int(cfg.gpu_memory_utilization * total) - used - activations - graph_margin
+        self.memory_report = (f"GPU memory: {total / 2**30:.1f} GiB total, {used / 2**30:.2f} GiB in use after "
+                              f"loading (weights {base / 2**30:.2f} GiB), {activations / 2**30:.2f} GiB peak "
+                              f"activations for a {t}-token step, {graph_margin >> 20} MiB kept for CUDA graphs; "
+                              f"KV budget at gpu_memory_utilization={cfg.gpu_memory_utilization}: "
+                              f"{max(budget, 0) / 2**30:.2f} GiB")
+        if budget <= 0:
+            raise ValueError(f"no GPU memory left for the KV cache: {self.memory_report}. Raise "
+                             f"--gpu-memory-utilization, or lower --max-num-batched-tokens")
+        return budget
 
     # ---------------------------------------------------------------- input
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -261,9 +341,9 @@ class LLMEngine:
             self.kv.cache_computed(req)
             if id(req) in logits.prompt:
                 self._collect_prompt_logprobs(req, *logits.prompt[id(req)])
-            if id(req) in logits.sample and req.parent_id in self._parents:
+            if (id(req) in logits.sample or id(req) in logits.greedy) and req.parent_id in self._parents:
                 try:
-                    delta = self._sample(req, logits.sample[id(req)])
+                    delta = self._sample(req, logits.sample.get(id(req)), logits.greedy.get(id(req)))
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     events.pop(req.parent_id, None)
                     self.abort_request(req.parent_id)
@@ -277,9 +357,11 @@ class LLMEngine:
                 del self._parents[rid]
         return list(events.values())
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> CompletionDelta:
-        """Sample the request's next token, detokenize, check stop conditions, finish it if done."""
-        r = req.sampler.sample(logits)
+    def _sample(self, req: Request, logits: torch.Tensor | None,
+                greedy: tuple[int, float] | None = None) -> CompletionDelta:
+        """Sample the request's next token (from host ``logits``, or take the ``greedy``
+        (token, logit) chosen on the GPU), detokenize, check stop conditions, finish it if done."""
+        r = req.sampler.sample(logits) if greedy is None else req.sampler.take(*greedy)
         self._num_generated += 1
         text = req.processor.add(r)
         out = req.output
@@ -332,8 +414,9 @@ class LLMEngine:
             span = "full attention" if g.window is None else f"window {g.window}"
             parts.append(f"{pool.num_blocks} blocks ({pool.num_blocks * self.kv.block_size} tokens) for "
                          f"{len(g.layers)} {span} layers")
-        return (f"KV cache: {self.cache.nbytes / 2**30:.2f} GiB {str(self.cache.dtype).removeprefix('torch.')}, "
+        line = (f"KV cache: {self.cache.nbytes / 2**30:.2f} GiB {str(self.cache.dtype).removeprefix('torch.')}, "
                 f"blocks of {self.kv.block_size} tokens: " + "; ".join(parts))
+        return line + (f"\n{self.memory_report.lstrip('; ')}" if self.memory_report else "")
 
     def stats(self) -> EngineStats:
         """The engine's counters and gauges now."""

@@ -37,7 +37,8 @@ class LLM:
     Args:
         model: a model key (``memra.hub.MODELS``, e.g. ``"smollm2-135m"``), a GGUF path, or a
             Hugging Face directory (``config.json``, safetensors weights, ``tokenizer.json``).
-        dtype: compute dtype on the CPU: ``"float32"`` (default, exact) or ``"bfloat16"``.
+        dtype: compute dtype: ``"float32"`` (the CPU default, exact) or ``"bfloat16"`` (the
+            only one, and the default, on a GPU: ``device="cuda"`` in ``engine_options``).
         max_model_len: context length to allow (default: the model's).
         progress: show a progress bar while loading.
         **engine_options: further :class:`~memra.engine.engine.EngineConfig` fields
@@ -49,7 +50,7 @@ class LLM:
         ValueError: unknown dtype, or max_model_len out of range.
     """
 
-    def __init__(self, model: str | Path, dtype: str = "float32", max_model_len: int | None = None,
+    def __init__(self, model: str | Path, dtype: str | None = None, max_model_len: int | None = None,
                  progress: bool = False, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
                                              **engine_options), progress=progress)

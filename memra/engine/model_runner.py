@@ -19,25 +19,58 @@ __all__ = ["ModelRunner", "StepLogits"]
 
 
 class StepLogits:
-    """Logits of one step, fp32.
+    """Logits of one step, fp32, on the host.
 
     Attributes:
         sample: request -> logits [vocab] to sample its next token from.
+        greedy: request -> (token, its logit) already chosen on the GPU (greedy requests
+            without penalties or logprobs: only the token id crosses to the host).
         prompt: request -> (first prompt position p, logits [n, vocab]) predicting prompt
             tokens p+1 .. p+n (prompt logprobs).
     """
 
     def __init__(self):
         self.sample: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, tuple[int, float]] = {}
         self.prompt: dict[int, tuple[int, torch.Tensor]] = {}
 
 
-class ModelRunner:
-    """Executes scheduled steps of ``model`` over the paged cache ``cache``."""
+def _gpu_greedy(req: Request) -> bool:
+    p = req.params
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and p.logprobs is None)
 
-    def __init__(self, model, cache: PagedKVCache):
-        self.model, self.cache = model, cache
+
+class ModelRunner:
+    """Executes scheduled steps of ``model`` over the paged cache ``cache``.
+
+    ``graphs`` (GPU only): a captured :class:`~memra.engine.cuda_graph.CudaGraphRunner`
+    that runs decode-only steps of up to its largest bucket; other steps run eagerly.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, graphs=None):
+        self.model, self.cache, self.graphs = model, cache, graphs
         self.device = cache.k[cache.groups[0].layers[0]].device
+        self.num_graph_steps = self.num_eager_steps = 0
+
+    def _sample_rows(self, out: StepLogits, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sampling rows ``logits`` [len(reqs), vocab] (any device) into ``out``: greedy rows are
+        reduced on the device, the rest copied to the host for the request's sampler."""
+        if logits.device.type == "cpu":
+            for r, req in enumerate(reqs):
+                out.sample[id(req)] = logits[r]
+            return
+        fast = [r for r, req in enumerate(reqs) if _gpu_greedy(req)]
+        if fast:
+            idx = torch.tensor(fast, device=logits.device)
+            top, tok = logits[idx].max(dim=-1)
+            for r, t, v in zip(fast, tok.tolist(), top.tolist()):
+                out.greedy[id(reqs[r])] = (t, v)
+        rest = [r for r in range(len(reqs)) if id(reqs[r]) not in out.greedy]
+        if rest:
+            host = logits[torch.tensor(rest, device=logits.device)].float().cpu()
+            for j, r in enumerate(rest):
+                out.sample[id(reqs[r])] = host[j]
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> StepLogits:
@@ -45,6 +78,18 @@ class ModelRunner:
 
         Does not advance ``num_computed_tokens`` (the engine does, after sampling).
         """
+        g = self.graphs
+        if (g is not None and len(items) <= g.max_batch
+                and all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens for req, n in items)):
+            # (such a row never needs prompt-logprob rows: those end at len(prompt) - 1 <= its position)
+            self.num_graph_steps += 1
+            reqs = [req for req, _ in items]
+            logits = g.run([req.all_token_ids[req.num_computed_tokens] for req in reqs],
+                           [req.num_computed_tokens for req in reqs], [req.block_tables for req in reqs])
+            out = StepLogits()
+            self._sample_rows(out, reqs, logits)
+            return out
+        self.num_eager_steps += 1
         ids, pos, chunks = [], [], []
         for req, n in items:
             s = req.num_computed_tokens
@@ -70,12 +115,15 @@ class ModelRunner:
             off += n
         out = StepLogits()
         if rows:
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
-            r = 0
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]).float()
+            r, sample_rows, sample_reqs = 0, [], []
             for kind, req, first, k in owners:
                 if kind == "prompt":
-                    out.prompt[id(req)] = (first, logits[r:r + k])
+                    out.prompt[id(req)] = (first, logits[r:r + k].cpu())
                 else:
-                    out.sample[id(req)] = logits[r]
+                    sample_rows.append(r)
+                    sample_reqs.append(req)
                 r += k
+            if sample_rows:
+                self._sample_rows(out, sample_reqs, logits[torch.tensor(sample_rows, device=logits.device)])
         return out

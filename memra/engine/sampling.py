@@ -128,6 +128,16 @@ class Sampler:
             self.seen[torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
 
+    def take(self, token: int, logit: float) -> SampleResult:
+        """Record ``token`` chosen on the device as the argmax (greedy, no penalties, no
+        logprobs: the same choice :meth:`sample` makes); ``logit`` is its value.
+
+        Raises: ValueError if ``logit`` is not finite (no finite logit: cannot sample)."""
+        if not math.isfinite(logit):
+            raise ValueError(f"the model produced no finite logit (max {logit}): cannot sample")
+        self.counts[token] += 1
+        return SampleResult(token)
+
     def sample(self, logits: torch.Tensor) -> SampleResult:
         """Choose the next token from fp32 ``logits`` [vocab_size] and record it."""
         p = self.params

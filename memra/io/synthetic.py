@@ -514,3 +514,94 @@ def describe(g: dict) -> str:
     return (f"hidden {g['hidden']}, {g['layers']} layers ({g['dense_layers']} dense) + {g['mtp_layers']} MTP, "
             f"{g['experts']} experts top-{g['top_k']} x {g['expert_inter']}, vocab {g['vocab']}")
 
+
+
+# ----------------------------------------------------------------------------- in GPU memory
+def random_nvfp4(name: str, shape: tuple[int, ...], seed: int, device: str | torch.device = "cpu"):
+    """A random ggml NVFP4 :class:`~memra.quant.tensor.QTensor` of ``shape`` (last dim a
+    multiple of 64) drawn directly in packed form on ``device``: uniform random 4-bit codes,
+    and per 16-weight sub-block a UE4M3 scale byte drawn among the 3 codes nearest to the one
+    that gives the weights an RMS of ``in_features ** -0.5`` (as the linear weights of
+    :func:`synth_tensor`). Used for full-size models, where quantizing bf16 draws would cost
+    minutes. Never all zeros."""
+    from ..quant.dequant import NVFP4_KVALUES, ue4m3_half_table
+    from ..quant.tensor import QTensor
+    from ..quant.types import QType
+
+    dev = torch.device(device)
+    k = shape[-1]
+    if k % 64:
+        raise SynthError(f"{name}: NVFP4 needs the last dimension a multiple of 64, got {shape}")
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    kv = torch.tensor(NVFP4_KVALUES, dtype=torch.float64)
+    rms_codes = float(kv.pow(2).mean().sqrt())
+    table = ue4m3_half_table(torch.device("cpu")).double()
+    target = k ** -0.5 / rms_codes
+    ok = torch.arange(1, 127)  # finite, non-zero scale codes
+    best = int(ok[(table[ok] - target).abs().argmin()])
+    gen = _generator(seed, name, dev)
+    nblocks = rows * (k // 64)
+    data = torch.empty(nblocks, 36, dtype=torch.uint8, device=dev)
+    data[:, 4:] = torch.randint(0, 256, (nblocks, 32), generator=gen, device=dev, dtype=torch.uint8)
+    data[:, :4] = (best - 1 + torch.randint(0, 3, (nblocks, 4), generator=gen, device=dev)).clamp(1, 126).to(
+        torch.uint8)
+    return QTensor(name, QType.NVFP4, tuple(shape), data.view(rows, (k // 64) * 36))
+
+
+class SynthCheckpoint:
+    """The synthetic checkpoint of geometry ``g`` made tensor by tensor on request (nothing is
+    held), with :class:`MemoryCheckpoint`'s surface. Routed experts come as ``expert_format``:
+    ``"bf16"`` (the :func:`synth_tensor` draws) or ``"nvfp4"`` (:func:`random_nvfp4`).
+
+    Made on a CUDA device, the model loaders keep every weight there in its format
+    (memra/layers/linear.py), so a full-size model is built in GPU memory without a host copy.
+    """
+
+    def __init__(self, g: dict, seed: int, device: str | torch.device, expert_format: str = "nvfp4"):
+        if expert_format not in ("bf16", "nvfp4"):
+            raise SynthError(f"expert_format {expert_format!r} (supported here: bf16, nvfp4)")
+        self.g, self.seed, self.device, self.expert_format = g, seed, torch.device(device), expert_format
+        self.shapes = tensor_shapes(g)
+        self.config, self.path = hub_config(g), Path("<synthetic>")
+        self.infos = dict(self.shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, *, why: str = ""):
+        from ..io.gguf import CheckpointError
+        from ..quant.tensor import QTensor
+        from ..quant.types import QType
+
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}" + (f" (needed for {why})" if why else ""))
+        s = self.shapes[name]
+        if shape is not None and tuple(shape) != tuple(s):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {s}, expected {tuple(shape)}")
+        if _is_routed(name) and self.expert_format == "nvfp4":
+            return random_nvfp4(name, s, self.seed, self.device)
+        return QTensor(name, QType.BF16, tuple(s), synth_tensor(name, s, self.seed, self.device))
+
+
+def build_gpu_model(geometry: str | dict, seed: int, device: str | torch.device = "cuda",
+                    expert_format: str = "nvfp4", progress: bool = False):
+    """The synthetic Step-3.5 model of ``geometry`` built directly in GPU memory: routed experts
+    as ``expert_format`` expert banks (memra/kernels/moe_decode.py), every other weight bf16
+    (:func:`synth_tensor` draws), compute in bf16. The ``full`` geometry with NVFP4 experts
+    holds ~122 GB (without its MTP layers: pass a geometry with ``mtp_layers=0`` to leave them out).
+
+    Raises: SynthError (geometry / format), ValueError (not a CUDA device).
+    """
+    from ..models.step3p5 import Step35ForCausalLM
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"build_gpu_model: expected a CUDA device, got {dev} (use build_model on the CPU)")
+    g = load_geometry(geometry)
+    _check_blocks(g, expert_format)
+    with torch.no_grad():
+        model = Step35ForCausalLM.from_hf(SynthCheckpoint(g, seed, dev, expert_format), model_config(g),
+                                          torch.bfloat16, progress=progress)
+    return model.to_gpu(dev)

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
 from ..quant.tensor import QTensor
 from ..quant.types import QType
 
-__all__ = ["Linear", "Embedding"]
+__all__ = ["Linear", "Embedding", "gpu_linear", "pack_for_gpu"]
 
 
 def _int4pack_available() -> bool:
@@ -82,6 +83,12 @@ class Linear(nn.Module):
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.register_buffer("bias", None if bias is None else bias.to(dtype), persistent=False)
+        dev = weight_device(parts[0])
+        if dev.type == "cuda":  # weights already in GPU memory are packed in place, never dequantized
+            self.bias = None if bias is None else bias.to(dev, dtype)
+            self.packed_weight = pack_for_gpu(parts, dev, name=parts[0].name)
+            self.qweights, self.kernel = [], "gpu"
+            return
         if (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
                 and all(p.qtype in (QType.Q4_0, QType.Q4_1) for p in parts)):
             self.kernel = "int4"
@@ -96,15 +103,45 @@ class Linear(nn.Module):
         self.transposed = dtype == torch.float32
         self.register_buffer("stored", dense.t().contiguous() if self.transposed else dense, persistent=False)
 
+    # ------------------------------------------------------------------ GPU
+    @classmethod
+    def from_packed(cls, weight: DecodeWeight, bias: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> "Linear":
+        """A GPU linear over an already packed weight (no host copy kept; used to build models
+        directly in GPU memory, e.g. synthetic full-size ones). ``weight`` [out, in] on its device."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.qweights, self.dtype = [], dtype
+        self.in_features, self.out_features = weight.k, weight.n
+        self.register_buffer("bias", None if bias is None else bias.to(weight.device, dtype), persistent=False)
+        self.kernel, self.packed_weight = "gpu", weight
+        return self
+
+    def to_gpu(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Move this layer to a CUDA ``device`` in place, with the weight kept in its checkpoint
+        format (:func:`pack_for_gpu`); the host copies are dropped. Compute dtype becomes ``dtype``."""
+        self.packed_weight = pack_for_gpu(self.qweights, device, name=self.qweights[0].name if self.qweights else "")
+        for name in ("stored", "packed", "scale_zero"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.qweights = []
+        if self.bias is not None:
+            self.bias = self.bias.to(device, dtype)
+        self.kernel, self.dtype = "gpu", dtype
+
     @property
     def weight(self) -> torch.Tensor:
         """The weight the kernel computes with, dense [out_features, in_features] in ``dtype``."""
+        if self.kernel == "gpu":
+            return dequantize_packed(self.packed_weight).to(self.dtype)
         if self.kernel == "int4":
             eye = torch.eye(self.in_features, dtype=self.dtype)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.scale_zero).t()
         return self.stored.t() if self.transposed else self.stored
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "gpu":
+            return gpu_linear(x, self.packed_weight, self.bias)
         if self.kernel == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, 32,
                                                              self.scale_zero).reshape(*x.shape[:-1], -1)
@@ -113,6 +150,71 @@ class Linear(nn.Module):
         else:
             y = torch.matmul(x, self.stored)
         return y if self.bias is None else y + self.bias
+
+
+def weight_device(w) -> torch.device:
+    """Where a QTensor's / FP8BlockTensor's data lives."""
+    return (w.codes if hasattr(w, "codes") else w.data).device
+
+
+def pack_for_gpu(parts: list, device: torch.device | str, name: str = "") -> DecodeWeight:
+    """Row-stacked ``parts`` (QTensor / FP8BlockTensor, equal in_features) as one
+    :class:`~memra.kernels.gemv.DecodeWeight` on ``device``.
+
+    Parts in one format with a decode kernel (F32/F16/BF16 as bf16, Q8_0, NVFP4, FP8 block
+    with every part's rows a multiple of 128) keep it: codes and scales are concatenated
+    along the rows. Anything else (k-quants, Q4_0, mixed formats, FP8 parts not 128-row
+    aligned) is dequantized to bf16 once, here: 2 bytes per weight instead of the format's
+    0.5-1.1, but one code path (see memra/kernels/NOTES.md).
+
+    Raises: ValueError for an empty list or parts whose in_features differ.
+    """
+    if not parts:
+        raise ValueError(f"pack_for_gpu({name!r}): no weight parts")
+    try:
+        packed = [pack_weight(p) for p in parts]
+    except ValueError:
+        packed = None
+    if packed is not None and len({p.fmt for p in packed}) == 1 and len({p.k for p in packed}) == 1 and (
+            packed[0].fmt != "fp8" or all(p.n % 128 == 0 for p in packed[:-1])):
+        if len(packed) == 1:
+            return packed[0].to(device)
+        p0 = packed[0]
+        scale = None if p0.scale is None else torch.cat([p.scale for p in packed])
+        return DecodeWeight(p0.fmt, sum(p.n for p in packed), p0.k, torch.cat([p.data for p in packed]), scale,
+                            name).to(device)
+    dense = torch.cat([p.dequantize(torch.float32) for p in parts])
+    return pack_bf16(dense, name).to(device)
+
+
+_MAX_T_CHUNKS = 4  # up to 4 x 16 columns through the decode kernel; wider inputs are dequantized
+
+
+def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ b) with ``W`` packed on the GPU; x [..., K] -> [..., N] in x.dtype.
+
+    bf16 weights: cuBLAS. Other formats: the decode kernel (memra/kernels/gemv.py) in slices
+    of up to 16 rows of x (each slice reads W once) for up to 64 rows; more rows (prefill):
+    W dequantized to x.dtype for the call, then cuBLAS (the grouped prefill GEMMs are
+    separate work). Capturable in a CUDA graph (no host synchronisation).
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    t = x2.shape[0]
+    if w.fmt == "bf16":
+        y = torch.nn.functional.linear(x2, w.data if x2.dtype == torch.bfloat16 else w.data.to(x2.dtype))
+    elif t == 0:
+        y = x2.new_empty(0, w.n)
+    elif t <= MAX_T * _MAX_T_CHUNKS:
+        if t <= MAX_T:
+            y = decode_linear(x2, w, out_dtype=x2.dtype)
+        else:
+            y = torch.cat([decode_linear(x2[i:i + MAX_T], w, out_dtype=x2.dtype) for i in range(0, t, MAX_T)])
+    else:
+        y = torch.nn.functional.linear(x2, dequantize_packed(w).to(x2.dtype))
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, w.n)
 
 
 class Embedding(nn.Module):
@@ -136,8 +238,37 @@ class Embedding(nn.Module):
         self.dtype = dtype
         self.scale = scale
         self.register_buffer("rows", weight.data, persistent=False)
+        if weight.data.device.type == "cuda":
+            self.to_gpu(weight.data.device, dtype)
+
+    def to_gpu(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Hold the table dequantized in ``dtype`` on a CUDA ``device`` (a row gather per lookup).
+
+        On the GPU the lookup does not check ids (a check would synchronise with the host and
+        cannot run inside a CUDA graph): callers validate them first (the engine does)."""
+        table = self.qweight.dequantize(torch.float32).to(dtype) if self.qweight.is_quantized else \
+            self.qweight.data.to(dtype)
+        self.rows = table.to(device)
+        self.qweight = None
+        self.dtype, self.on_gpu = dtype, True
+        self.scale_t = torch.tensor(self.scale, dtype=dtype, device=device)  # rounded to dtype first, as on the CPU
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, scale: float = 1.0) -> "Embedding":
+        """A GPU embedding over a dense [vocab, hidden] table already on its device."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.qweight = None
+        self.vocab_size, self.hidden = table.shape
+        self.dtype, self.scale, self.on_gpu = table.dtype, scale, True
+        self.register_buffer("rows", table, persistent=False)
+        self.scale_t = torch.tensor(scale, dtype=table.dtype, device=table.device)
+        return self
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "on_gpu", False):
+            x = self.rows[ids]
+            return x * self.scale_t if self.scale != 1.0 else x
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0].item()
             raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -60,9 +60,23 @@ def rope_key(lc: LayerConfig) -> tuple:
     return (lc.rope_theta, lc.rotary_dim, lc.rope_scaling, lc.rope_freq_factors)
 
 
+_INV_ON_DEVICE: dict[tuple, torch.Tensor] = {}
+
+
+def _inv_on(key: tuple, device: torch.device) -> torch.Tensor:
+    """inv_frequencies of ``key`` (:func:`rope_key`) held on ``device``: copied there once, so that
+    a forward pass makes no host-to-device copy (a CUDA graph capture forbids one)."""
+    if device.type == "cpu":
+        return inv_frequencies(*key)
+    k = (key, str(device))
+    if k not in _INV_ON_DEVICE:
+        _INV_ON_DEVICE[k] = inv_frequencies(*key).to(device)
+    return _INV_ON_DEVICE[k]
+
+
 def rope_cos_sin(lc: LayerConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [T, rotary_dim] for int64 ``positions`` [T] (computed in fp32)."""
-    inv = inv_frequencies(lc.rope_theta, lc.rotary_dim, lc.rope_scaling, lc.rope_freq_factors).to(positions.device)
+    inv = _inv_on(rope_key(lc), positions.device)
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -154,6 +154,36 @@ class CausalLM(nn.Module):
         """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
 
+    def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> "CausalLM":
+        """Move the model to a CUDA ``device`` in place and return it.
+
+        Linear weights keep their checkpoint format (memra/kernels/gemv.py layouts; formats
+        without a decode kernel are dequantized to bf16, see ``pack_for_gpu``), routed experts
+        become expert banks (memra/kernels/moe_decode.py), the embedding table is held in
+        ``dtype``; norms and routers stay fp32. Compute dtype becomes ``dtype``. Host copies of
+        the weights are released.
+
+        Raises: ValueError if ``device`` is not a CUDA device (the CPU is accepted under the
+        Triton interpreter, ``TRITON_INTERPRET=1``, so that tests can run this path there).
+        """
+        from ..kernels.gemv import interpret_mode
+
+        device = torch.device(device)
+        if device.type != "cuda" and not interpret_mode():
+            raise ValueError(f"to_gpu: expected a CUDA device, got {device} (the CPU takes it only under "
+                             f"TRITON_INTERPRET=1, for tests)")
+        for m in list(self.modules()):
+            if getattr(m, "kernel", None) == "gpu" or getattr(m, "on_gpu", False):
+                continue  # built in GPU memory already
+            if isinstance(m, (Linear, Embedding)):
+                m.to_gpu(device, dtype)
+            elif m is not self and hasattr(m, "to_gpu"):
+                m.to_gpu(device)
+        self.to(device)  # what is left: norm weights, routers, biases
+        for m in self.modules():
+            m.gpu = True  # forwards take their fused-kernel paths (memra/kernels)
+        return self
+
     # -------------------------------------------------------------- loading
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,

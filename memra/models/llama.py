@@ -11,6 +11,7 @@ q/k/v projections (Qwen2 technical report). Reference: transformers ``LlamaModel
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerConfig, ModelConfig
@@ -44,6 +45,14 @@ class Attention(nn.Module):
         q = q.view(T, lc.num_heads, lc.head_dim)
         k = k.view(T, lc.num_kv_heads, lc.head_dim)
         v = v.view(T, lc.num_kv_heads, lc.head_dim)
+        if getattr(self, "gpu", False):  # fused q/k norm + RoPE (memra/kernels/norm_rope.py)
+            from ..kernels.norm_rope import qk_norm_rope
+
+            qn, kn = self.q_norm, self.k_norm
+            q, k = qk_norm_rope(q, k, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                1e-6 if qn is None else qn.eps, cos, sin)
+            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale)
+            return self.o(o.reshape(T, lc.num_heads * lc.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # q and k heads rotated in one call (fewer ops per decode step)
@@ -60,6 +69,10 @@ class GatedMLP(nn.Module):
         self.gate_up, self.down, self.act = gate_up, down, ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "gpu", False) and self.act is F.silu:
+            from ..kernels.fused import swiglu
+
+            return self.down(swiglu(self.gate_up(x), None))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 

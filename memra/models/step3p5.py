@@ -72,6 +72,17 @@ class GatedAttention(nn.Module):
         T, lc = h.shape[0], self.lc
         H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
         q, k, v, g = self.qkvg(h).split(self.sizes, dim=-1)
+        if getattr(self, "gpu", False):  # fused kernels (memra/kernels/norm_rope.py, attention_decode.py)
+            from ..kernels.norm_rope import qk_norm_rope
+
+            q, k = qk_norm_rope(q.view(T, H, Dh), k.view(T, KV, Dh), self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps, cos, sin)
+            if getattr(kv, "fuses_gate", False):
+                o = kv.attend(self.index, q, k, v.view(T, KV, Dh), lc.sliding_window, self.scale, gate=g)
+            else:
+                o = kv.attend(self.index, q, k, v.view(T, KV, Dh), lc.sliding_window, self.scale)
+                o = o * torch.sigmoid(g)[..., None]
+            return self.o(o.reshape(T, H * Dh))
         q = self.q_norm(q.view(T, H, Dh))
         k = self.k_norm(k.view(T, KV, Dh))
         q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([H, KV], dim=1)
@@ -88,6 +99,10 @@ class SwiGLU(nn.Module):
         self.gate_up, self.down, self.limit = gate_up, down, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "gpu", False):
+            from ..kernels.fused import swiglu as fused_swiglu
+
+            return self.down(fused_swiglu(self.gate_up(x), self.limit))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(swiglu(gate, up, self.limit))
 
@@ -112,6 +127,11 @@ class RoutedExperts(nn.Module):
         self.qweights = (gate, up, down)
         self.limit = limit
 
+        first = gate[0] if isinstance(gate, list) else gate
+        if (first.codes if hasattr(first, "codes") else first.data).device.type == "cuda":
+            self.to_gpu(None)  # weights already in GPU memory become expert banks in place, never dense
+            return
+
         def dense(w) -> torch.Tensor:
             return torch.stack([p.dequantize(dtype) for p in w]) if isinstance(w, list) else w.dequantize(dtype)
 
@@ -120,7 +140,48 @@ class RoutedExperts(nn.Module):
         self.num_experts = self.w_down.shape[0]
         self.tokens_per_expert: torch.Tensor | None = None
 
+    # ------------------------------------------------------------------ GPU
+    def to_gpu(self, device: torch.device | str | None) -> None:
+        """Move the experts to a CUDA ``device`` (None: where they are) in place, kept in their checkpoint format as
+        expert banks (memra/kernels/moe_decode.py: gate and up fused and row-interleaved);
+        the dense host copies are dropped."""
+        from ..kernels.moe_decode import fuse_gate_up, pack_expert_bank
+
+        gate, up, down = self.qweights
+        self.qweights = ()
+        gu = fuse_gate_up(pack_expert_bank(gate, "gate"), pack_expert_bank(up, "up"))
+        del gate, up
+        self.gate_up_bank = gu if device is None else gu.to(device)
+        dn = pack_expert_bank(down, "down")
+        self.down_bank = dn if device is None else dn.to(device)
+        self.num_experts = self.down_bank.e
+        self.tokens_per_expert = None
+        for name in ("w_gate_up", "w_down"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    @classmethod
+    def from_banks(cls, gate_up, down, limit: float | None) -> "RoutedExperts":
+        """GPU experts over already packed banks (``fuse_gate_up`` output [E, 2I, D] and
+        down [E, D, I], memra/kernels/moe_decode.py), e.g. synthetic full-size ones."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.qweights, self.limit = (), limit
+        self.gate_up_bank, self.down_bank = gate_up, down
+        self.num_experts = down.e
+        self.tokens_per_expert = None
+        return self
+
+    @property
+    def on_gpu(self) -> bool:
+        return hasattr(self, "gate_up_bank")
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.on_gpu:
+            from ..kernels.moe_decode import moe_decode
+
+            # no routing counts here: they would cost two launches per layer per step
+            return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit)
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
         self.tokens_per_expert = counts
@@ -153,6 +214,10 @@ class MoE(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts int64 [T, k] and their weights fp32 [T, k] (sum to ``scaling`` per token)."""
+        if getattr(self, "gpu", False):  # fp32 logits by cuBLAS, then one fused kernel (memra/kernels/fused.py)
+            from ..kernels.fused import router_topk
+
+            return router_topk(h.float() @ self.router.t(), self.bias, self.top_k, self.scaling)
         s = torch.sigmoid(h.float() @ self.router.t())  # fp32 logits -> scores [T, E]
         choice = s if self.bias is None else s + self.bias
         index = choice.topk(self.top_k, dim=-1).indices
@@ -177,6 +242,12 @@ class Step35Layer(nn.Module):
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
+        if getattr(self, "gpu", False):  # residual add fused into the second norm
+            from ..kernels.norm_rope import rms_norm
+
+            h2, x = rms_norm(self.attn(self.attn_norm(x), cos, sin, kv), self.ffn_norm.weight, self.ffn_norm.eps,
+                             residual=x)
+            return x + self.mlp(h2)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.ffn_norm(x))
 

@@ -1,0 +1,321 @@
+"""``memra bench decode``: the flagship's whole decode step on one GPU, against its byte roofline.
+
+The model (Step-3.5-Flash geometry by default; its MTP layers left out) is built directly in
+GPU memory on synthetic weights (memra/io/synthetic.py ``build_gpu_model``: routed experts
+NVFP4 expert banks, everything else bf16, random values never zeros). For each batch size B
+the decode step (all layers, the LM head over the B rows) is captured in a CUDA graph with
+B sequences of ``--context`` tokens whose KV cache holds random values, replayed, and timed
+with CUDA events.
+
+Byte roofline of a step: every weight the step reads once (attention projections, norms,
+dense MLPs, routers, shared experts, LM head; the routed experts that the step's routing
+actually selected, counted per layer as distinct experts x one expert's packed bytes) plus
+the KV cache read (B sequences x ``--context`` tokens, sliding layers at most their window),
+divided by the device-to-device copy bandwidth measured in the same run. The batch-1 figure
+is cross-checked against the config-only accounting of memra/roofline.py.
+
+Per-phase split: each phase's modules over all layers are captured alone in their own CUDA
+graph on the step's real inputs (attention = input norm + fused QKV/gate projection + q/k
+norm + RoPE + paged attention + head gate + output projection; router = post-attention norm
++ fp32 router + top-k; routed experts; shared experts; dense MLPs; head = final norm + LM
+head) and timed with CUDA events; their sum is printed next to the whole step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+__all__ = ["run_decode_bench", "add_decode_args", "run_from_args"]
+
+
+def _time(fn, reps: int = 20, warm: int = 3) -> float:
+    """Median ms of ``fn()`` (which launches GPU work) over ``reps``, CUDA events."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return statistics.median(ts)
+
+
+def _graph(fn):
+    """``fn`` captured in a CUDA graph (after two eager warm-up calls); returns the graph."""
+    import torch
+
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _weight_bytes(model) -> dict[str, int]:
+    """Resident bytes of the model's weights by part (packed formats as stored)."""
+    from ..layers.linear import Linear
+    from ..models.step3p5 import MoE, RoutedExperts, SwiGLU
+
+    out = {"attention": 0, "dense_mlp": 0, "shared_experts": 0, "routed_experts": 0, "router": 0,
+           "lm_head": 0, "embed": 0, "norms": 0}
+
+    def lin(m: Linear) -> int:
+        return m.packed_weight.nbytes
+
+    for layer in model.layers:
+        a = layer.attn
+        out["attention"] += lin(a.qkvg) + lin(a.o)
+        out["norms"] += 4 * (a.q_norm.weight.numel() + a.k_norm.weight.numel() + 2 * model.config.hidden_size)
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            e: RoutedExperts = mlp.experts
+            out["routed_experts"] += e.gate_up_bank.nbytes + e.down_bank.nbytes
+            out["router"] += mlp.router.numel() * 4 + (0 if mlp.bias is None else mlp.bias.numel() * 4)
+            if mlp.shared is not None:
+                out["shared_experts"] += lin(mlp.shared.gate_up) + lin(mlp.shared.down)
+        elif isinstance(mlp, SwiGLU):
+            out["dense_mlp"] += lin(mlp.gate_up) + lin(mlp.down)
+    out["lm_head"] = lin(model.lm_head)
+    out["embed"] = model.embed.rows.numel() * model.embed.rows.element_size()
+    return out
+
+
+def _kv_read_bytes(config, context: int, batch: int) -> int:
+    """K and V bytes (bf16) the attention of one step reads for ``batch`` rows at ``context``
+    tokens (the new token included)."""
+    total = 0
+    for lc in config.layers:
+        seen = context if lc.sliding_window is None else min(context, lc.sliding_window)
+        total += 2 * lc.num_kv_heads * lc.head_dim * 2 * seen
+    return total * batch
+
+
+def run_decode_bench(a: argparse.Namespace) -> dict:
+    """Build, check, time; return the JSON-able result (see the module docstring)."""
+    import torch
+
+    from ..engine.block_manager import kv_groups
+    from ..engine.cuda_graph import CudaGraphRunner, DecodeKV
+    from ..engine.kv_cache import PagedKVCache
+    from ..io.synthetic import build_gpu_model, load_geometry
+    from ..models.step3p5 import MoE, SwiGLU
+    from ..roofline import step35_bytes
+    from .census import _commit, copy_bandwidth
+
+    if not torch.cuda.is_available():
+        raise SystemExit("memra bench decode needs a CUDA GPU")
+    dev = torch.device("cuda")
+    batches = [int(b) for b in a.batches.split(",")]
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
+
+    g = load_geometry(a.geometry) | {"mtp_layers": 0}
+    if a.layers:
+        g["layers"] = a.layers
+        g["clamp_layers"] = [i for i in g["clamp_layers"] if i < a.layers]
+    t0 = time.perf_counter()
+    model = build_gpu_model(g, a.seed, dev, a.expert_format, progress=sys.stderr.isatty())
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    config = model.config
+    wbytes = _weight_bytes(model)
+    print(f"built {a.geometry} ({config.num_layers} layers, experts {a.expert_format}) in {build_s:.0f} s: "
+          f"{sum(wbytes.values()) / 1e9:.1f} GB of weights, {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated",
+          flush=True)
+    acct = step35_bytes(config, a.context)
+    fmt = "nvfp4" if a.expert_format == "nvfp4" else "bf16"
+
+    bs = 16
+    max_b = max(batches)
+    per_seq = -(-(a.context + 1) // bs)
+    groups = kv_groups(config)
+    cache = PagedKVCache(groups, [max_b * per_seq + 1] * len(groups), bs, torch.bfloat16, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(a.seed + 1)
+    for t in cache.k + cache.v:
+        if t is not None:
+            t.copy_(torch.randn(t.shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16))
+    perm = torch.randperm(max_b * per_seq, generator=torch.Generator().manual_seed(a.seed))
+    tables = [perm[i * per_seq:(i + 1) * per_seq].tolist() for i in range(max_b)]
+
+    runner = CudaGraphRunner(model, cache, max_b, per_seq, scratch_blocks=[max_b * per_seq] * len(groups),
+                             buckets=batches)
+    t0 = time.perf_counter()
+    runner.capture()
+    capture_s = time.perf_counter() - t0
+    print(f"captured {len(batches)} decode graphs in {capture_s:.1f} s", flush=True)
+
+    results = []
+    moe_layers = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+    expert_bytes = 0
+    if moe_layers:
+        e0 = model.layers[moe_layers[0]].mlp.experts
+        expert_bytes = (e0.gate_up_bank.nbytes + e0.down_bank.nbytes) // e0.num_experts
+    for b in batches:
+        ids = torch.randint(3, config.vocab_size, (b,), generator=torch.Generator().manual_seed(b)).tolist()
+        pos = [a.context] * b
+        bt = [[tables[r]] * len(groups) for r in range(b)]
+        logits = runner.run(ids, pos, bt)  # fills the static inputs
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(logits).all())
+        graph = runner.graphs[b]
+        step_ms = _time(graph.replay, reps=a.reps)
+
+        # distinct experts per MoE layer on this step's routing, and the phase split
+        kv = DecodeKV(cache, [t[:b] for t in runner.tables], runner.seq_lens[:b], [s[:b] for s in runner.slots])
+        phases, distinct = _phases(model, runner.ids[:b], runner.pos[:b], kv, a.reps)
+        routed_read = sum(distinct) * expert_bytes
+        step_bytes = (wbytes["attention"] + wbytes["dense_mlp"] + wbytes["shared_experts"] + wbytes["router"]
+                      + wbytes["lm_head"] + wbytes["norms"] + b * 2 * config.hidden_size + routed_read
+                      + _kv_read_bytes(config, a.context + 1, b))
+        floor_ms = step_bytes / copy_bw * 1e3
+        row = {"batch": b, "step_ms": step_ms, "tok_s": b / step_ms * 1e3, "step_bytes": step_bytes,
+               "floor_ms": floor_ms, "roofline_tok_s": b / floor_ms * 1e3, "pct_of_roofline": 100 * floor_ms / step_ms,
+               "distinct_experts_per_layer": statistics.mean(distinct) if distinct else 0,
+               "routed_bytes": routed_read, "phases_ms": phases, "phases_sum_ms": sum(phases.values()),
+               "logits_finite": finite}
+        results.append(row)
+        print(f"B={b}: {step_ms:.3f} ms/step, {row['tok_s']:.0f} tok/s; floor {floor_ms:.3f} ms "
+              f"({step_bytes / 1e9:.2f} GB) -> {row['pct_of_roofline']:.1f}% of roofline; "
+              f"phases {', '.join(f'{k} {v:.3f}' for k, v in phases.items())} (sum {row['phases_sum_ms']:.3f})",
+              flush=True)
+    res = {
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": _commit(),
+        "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format,
+        "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
+        "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
+        "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
+                                   "floor_ms": (acct["decode"][fmt]["total"] + acct["kv_cache"]) / copy_bw * 1e3},
+        "results": results,
+    }
+    return res
+
+
+def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
+    """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
+    import torch
+
+    from ..layers.rope import rope_cos_sin
+    from ..models.step3p5 import MoE
+
+    layers = model.layers
+    with torch.inference_mode():
+        x = model.embed(ids)
+        tabs = {}
+        ins_attn, ins_mlp, routes = [], [], []
+        for i, layer in enumerate(layers):
+            lc = model.config.layers[i]
+            key = model._rope_keys[i]
+            if key not in tabs:
+                tabs[key] = rope_cos_sin(lc, pos, x.dtype)
+            ins_attn.append((x, tabs[key]))
+            x = x + layer.attn(layer.attn_norm(x), *tabs[key], kv)
+            h = layer.ffn_norm(x)
+            ins_mlp.append(h)
+            if isinstance(layer.mlp, MoE):
+                routes.append(layer.mlp.route(h))
+            else:
+                routes.append(None)
+            x = x + layer.mlp(h)
+        hidden_last = x
+        distinct = [int(r[0].unique().numel()) for r in routes if r is not None]
+
+        def attention():
+            for layer, (xi, (cos, sin)) in zip(layers, ins_attn):
+                layer.attn(layer.attn_norm(xi), cos, sin, kv)
+
+        def router():
+            for layer, h in zip(layers, ins_mlp):
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.route(h)
+
+        def routed():
+            for layer, h, r in zip(layers, ins_mlp, routes):
+                if r is not None:
+                    layer.mlp.experts(h, *r)
+
+        def shared():
+            for layer, h in zip(layers, ins_mlp):
+                if isinstance(layer.mlp, MoE) and layer.mlp.shared is not None:
+                    layer.mlp.shared(h)
+
+        def dense():
+            for layer, h in zip(layers, ins_mlp):
+                if not isinstance(layer.mlp, MoE):
+                    layer.mlp(h)
+
+        def head():
+            model.logits(model.norm(hidden_last))
+
+        out = {}
+        for name, fn in (("attention", attention), ("router", router), ("routed_experts", routed),
+                         ("shared_experts", shared), ("dense_mlp", dense), ("head", head)):
+            g = _graph(fn)
+            out[name] = _time(g.replay, reps=reps)
+            del g
+    return out, distinct
+
+
+def print_table(res: dict) -> None:
+    """The result as a table (ms, tok/s, % of the byte roofline, phase split)."""
+    bw = res["copy_bandwidth_Bps"] / 1e12
+    print(f"\nmemra bench decode: {res['geometry']} ({res['layers']} layers, routed experts {res['expert_format']}, "
+          f"other weights bf16), context {res['context']}, {res['machine']}, copy {bw:.2f} TB/s, "
+          f"commit {res['commit']}")
+    cr = res["config_roofline_batch1"]
+    print(f"config-only roofline at batch 1: {cr['decode_bytes'] / 1e9:.2f} GB weights + {cr['kv_bytes'] / 1e9:.3f} GB "
+          f"KV -> {cr['floor_ms']:.3f} ms")
+    hdr = ("| batch | ms/step | tok/s | GB read | floor ms | roofline tok/s | % of roofline | experts/layer "
+           "| attention | router | routed | shared | dense | head | phase sum |")
+    print(hdr)
+    print("|" + " --- |" * (hdr.count("|") - 1))
+    for r in res["results"]:
+        p = r["phases_ms"]
+        print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | {r['step_bytes'] / 1e9:.2f} | "
+              f"{r['floor_ms']:.3f} | {r['roofline_tok_s']:.0f} | {r['pct_of_roofline']:.1f} | "
+              f"{r['distinct_experts_per_layer']:.1f} | {p['attention']:.3f} | {p['router']:.3f} | "
+              f"{p['routed_experts']:.3f} | {p['shared_experts']:.3f} | {p['dense_mlp']:.3f} | {p['head']:.3f} | "
+              f"{r['phases_sum_ms']:.3f} |")
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--geometry", default="full", help="synthetic geometry (memra/io/synthetic.py GEOMETRIES or JSON)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (None: all)")
+    p.add_argument("--expert-format", default="nvfp4", choices=["nvfp4", "bf16"], help="routed experts' format")
+    p.add_argument("--batches", default="1,4,16,64", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=30, help="timed replays per measurement (median)")
+    p.add_argument("--json-out", default=None, help="write the result JSON here")
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    res = run_decode_bench(a)
+    print_table(res)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.json_out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memra bench decode", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_decode_args(p)
+    return run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

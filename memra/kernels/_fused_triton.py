@@ -1,0 +1,45 @@
+"""Triton source of memra/kernels/fused.py (see there for the math)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_g + n + cols, mask=m, other=0.0).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g))
+    if HAS_LIMIT:
+        a = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(y_ptr + row * stride_y + cols, (a * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _router_topk_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
+                        BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    m = e < E
+    x = tl.load(l_ptr + row * E + e, mask=m, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-x))
+    c = s
+    if HAS_BIAS:
+        c = s + tl.load(b_ptr + e, mask=m, other=0.0)
+    c = tl.where(m, c, float("-inf"))
+    kk = tl.arange(0, KP)
+    sel_i = tl.zeros([KP], dtype=tl.int32)
+    sel_s = tl.zeros([KP], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(c, axis=0)
+        i = tl.min(tl.where(c == best, e, BLOCK_E), axis=0)  # lowest index among equal maxima
+        sv = tl.sum(tl.where(e == i, s, 0.0), axis=0)
+        sel_i = tl.where(kk == j, i, sel_i)
+        sel_s = tl.where(kk == j, sv, sel_s)
+        c = tl.where(e == i, float("-inf"), c)
+    total = tl.sum(tl.where(kk < K, sel_s, 0.0), axis=0)
+    tl.store(idx_ptr + row * K + kk, sel_i.to(tl.int64), mask=kk < K)
+    tl.store(w_ptr + row * K + kk, sel_s / total * scaling, mask=kk < K)

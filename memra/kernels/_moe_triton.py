@@ -1,0 +1,281 @@
+"""Triton source of the MoE decode kernels (see :mod:`memra.kernels.moe_decode` for the math,
+layouts, grouping and the host wrapper). The weight tile loads and inner products are the
+decode GEMV's (:mod:`memra.kernels._gemv_triton`); this file adds the per-slot column loop,
+the SwiGLU epilogue and the weighted atomic combine. Imported only when a kernel is launched."""
+
+import triton
+import triton.language as tl
+
+from ._gemv_triton import _fma, _h2_col, _h2_load, _h2_xscale, _put, _tile, _ue4m3_raw, _x_group
+
+
+@triton.jit
+def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
+              FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+    """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
+    (column c0 + i of the slot, masked when >= cnt): four fp32 [BN] vectors (unused ones 0).
+    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 with F16, an int64 pointer: 8-byte words)."""
+    BK: tl.constexpr = G * GS
+    if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
+        xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
+        xs1, xi1 = xs0, xi0
+        xs2, xi2 = xs0, xi0
+        xs3, xi3 = xs0, xi0
+        if NC > 1:
+            xs1, xi1 = _h2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G)
+        if NC > 2:
+            xs2, xi2 = _h2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G)
+            xs3, xi3 = _h2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G)
+        acc0 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc1 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc2 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        n3 = tl.minimum(rn, N - 1)[None, :, None]
+        if PREFETCH:
+            q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+        else:
+            q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
+            sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
+        for k0 in range(k_lo, k_hi, BK):
+            if PREFETCH:
+                if EVEN_K:
+                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
+                                       stride_sn, rg, G, EVEN_K)
+                else:
+                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn,
+                                       stride_sn, rg, G, EVEN_K)
+            else:
+                q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+                qn = q
+                sbn = sb
+            s2 = _ue4m3_raw(sb)
+            acc0 = _h2_col(acc0, q, s2, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if NC > 1:
+                acc1 = _h2_col(acc1, q, s2, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if NC > 2:
+                acc2 = _h2_col(acc2, q, s2, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _h2_col(acc3, q, s2, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+            sb = sbn
+        y0 = tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0
+        y1 = tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1
+        y2 = tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2
+        y3 = tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3
+    else:  # fp32 FMAs on the dequantized tile (as _gemv_kernel's DOT=False path)
+        acc0 = tl.zeros([BN, G], dtype=tl.float32)
+        acc1 = tl.zeros([BN, G], dtype=tl.float32)
+        acc2 = tl.zeros([BN, G], dtype=tl.float32)
+        acc3 = tl.zeros([BN, G], dtype=tl.float32)
+        w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
+        for k0 in range(k_lo, k_hi, BK):
+            if PREFETCH:
+                w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
+                                 FMT, BN, G, GS, EVEN_K, ASM)
+            else:
+                w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k0, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
+                w3n = w3
+                s2n = s2
+            acc0 = _fma(acc0, w3, s2, _x_group(xp0, c0, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            if NC > 1:
+                acc1 = _fma(acc1, w3, s2, _x_group(xp1, c0 + 1, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            if NC > 2:
+                acc2 = _fma(acc2, w3, s2, _x_group(xp2, c0 + 2, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+                acc3 = _fma(acc3, w3, s2, _x_group(xp3, c0 + 3, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            w3 = w3n
+            s2 = s2n
+        y0 = tl.sum(acc0, axis=1)
+        y1 = tl.sum(acc1, axis=1)
+        y2 = tl.sum(acc2, axis=1)
+        y3 = tl.sum(acc3, axis=1)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def _act_store(ptr, y, ra, m, limit, BA: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    # y [2 BA]: BA gate sums then the BA matching up sums -> act = min(silu(g), limit) * clamp(u, +-limit)
+    g, u = tl.split(tl.permute(tl.reshape(y, [2, BA]), (1, 0)))
+    a = g * tl.sigmoid(g)
+    if HAS_LIMIT:
+        a = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(ptr + ra, a * u, mask=m)
+
+
+@triton.jit
+def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
+              stride_x, stride_wn, stride_sn, limit,
+              FMT: tl.constexpr, BA: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+              HAS_LIMIT: tl.constexpr):
+    # tokens c0 .. c0 + NC - 1 of the slot (sorted positions start + c0 + i)
+    p0 = tl.load(perm_ptr + start + c0, mask=c0 < cnt, other=0)
+    xp0 = x_ptr + (p0 // topk).to(tl.int64) * stride_x
+    xp1 = xp0
+    xp2 = xp0
+    xp3 = xp0
+    if NC > 1:
+        p1 = tl.load(perm_ptr + start + c0 + 1, mask=c0 + 1 < cnt, other=0)
+        xp1 = x_ptr + (p1 // topk).to(tl.int64) * stride_x
+    if NC > 2:
+        p2 = tl.load(perm_ptr + start + c0 + 2, mask=c0 + 2 < cnt, other=0)
+        xp2 = x_ptr + (p2 // topk).to(tl.int64) * stride_x
+        p3 = tl.load(perm_ptr + start + c0 + 3, mask=c0 + 3 < cnt, other=0)
+        xp3 = x_ptr + (p3 // topk).to(tl.int64) * stride_x
+    y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
+                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+    row = act_ptr + (start + c0).to(tl.int64) * I
+    _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
+    if NC > 1:
+        _act_store(row + I, y1, ra, a_ok & (c0 + 1 < cnt), limit, BA, HAS_LIMIT)
+    if NC > 2:
+        _act_store(row + 2 * I, y2, ra, a_ok & (c0 + 2 < cnt), limit, BA, HAS_LIMIT)
+        _act_store(row + 3 * I, y3, ra, a_ok & (c0 + 3 < cnt), limit, BA, HAS_LIMIT)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, sc_ptr,
+                        topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit,
+                        FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                        NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
+    j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
+    W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
+    pid_a = tl.program_id(0)
+    slot = tl.program_id(1)
+    e = tl.load(se_ptr + slot)
+    start = tl.load(ss_ptr + slot)
+    cnt = tl.load(sc_ptr + slot)
+    cnt = tl.where(e >= 0, cnt, 0)
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    if FMT == 2 and F16:
+        wb = w_ptr.to(tl.pointer_type(tl.int64)) + e64 * stride_we  # strides in 8-byte words (host)
+    else:
+        wb = w_ptr + e64 * stride_we
+    sb = s_ptr + e64 * stride_se
+    rw = tl.arange(0, 2 * BA)
+    j = pid_a * BA + rw % BA
+    rn = (j // U) * (2 * U) + (rw // BA) * U + j % U  # first BA: gate rows of columns j, then their up rows
+    n_ok = j < I
+    ra = pid_a * BA + tl.arange(0, BA)
+    a_ok = ra < I
+    k_lo = pid_a * 0  # a tensor, not a constexpr 0 (_h2_load applies tl.multiple_of to it)
+    for c0 in range(0, cnt - (NC - 1), NC):
+        _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
+                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+    r0 = cnt - cnt % NC
+    if NC >= 4:
+        if cnt - r0 >= 2:
+            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+        r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
+    if NC >= 2:
+        if cnt - r0 >= 1:
+            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+
+
+@triton.jit
+def _combine(y_ptr, yv, perm_ptr, wt_ptr, pos, c, cnt, topk, N, rn, n_ok):
+    # y[tok, rn] += weight[p] * yv (fp32 atomics) for pair p = perm[pos] of token tok = p // topk
+    p = tl.load(perm_ptr + pos, mask=c < cnt, other=0)
+    wgt = tl.load(wt_ptr + p, mask=c < cnt, other=0.0)
+    _put(y_ptr + (p // topk).to(tl.int64) * N, yv * wgt, c, cnt, rn, n_ok, 0, True)
+
+
+@triton.jit
+def _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, w_ptr, s_ptr, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
+              stride_wn, stride_sn,
+              FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+    xp0 = act_ptr + (start + c0).to(tl.int64) * K
+    y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
+                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+    _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok)
+    if NC > 1:
+        _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok)
+    if NC > 2:
+        _combine(y_ptr, y2, perm_ptr, wt_ptr, start + c0 + 2, c0 + 2, cnt, topk, N, rn, n_ok)
+        _combine(y_ptr, y3, perm_ptr, wt_ptr, start + c0 + 3, c0 + 3, cnt, topk, N, rn, n_ok)
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_ptr, sc_ptr,
+                     topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
+                     FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
+                     EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+    """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
+    every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host)."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    e = tl.load(se_ptr + slot)
+    start = tl.load(ss_ptr + slot)
+    cnt = tl.load(sc_ptr + slot)
+    cnt = tl.where(e >= 0, cnt, 0)
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    if FMT == 2 and F16:
+        wb = w_ptr.to(tl.pointer_type(tl.int64)) + e64 * stride_we
+    else:
+        wb = w_ptr + e64 * stride_we
+    sb = s_ptr + e64 * stride_se
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for c0 in range(0, cnt - (NC - 1), NC):
+        _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
+                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+    r0 = cnt - cnt % NC
+    if NC >= 4:
+        if cnt - r0 >= 2:
+            _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
+                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH)
+        r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
+    if NC >= 2:
+        if cnt - r0 >= 1:
+            _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
+                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH)
+
+
+@triton.jit
+def _moe_group_kernel(idx_ptr, perm_ptr, se_ptr, ss_ptr, sc_ptr, n, S,
+                      BI: tl.constexpr, BJ: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
+    """Grouping of the n (token, expert) pairs by expert (see moe_decode.moe_group): one launch.
+
+    Every program counts the pairs per expert (cnt [EP]); program 0 writes the slots (distinct
+    experts in increasing order: expert, first sorted position = pairs on smaller experts, count;
+    then -1 / 0 / 0 up to S); program pid ranks pairs pid*BI.. : rank(i) = #{j: e_j < e_i} +
+    #{j < i: e_j = e_i}, perm[rank(i)] = i. O(n * (E + BI)) work per program, no atomics."""
+    pid = tl.program_id(0)
+    ev = tl.arange(0, EP)
+    cnt = tl.zeros([EP], dtype=tl.int32)
+    for j0 in range(0, n, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        vj = tl.load(idx_ptr + rj, mask=rj < n, other=-1).to(tl.int32)
+        cnt += tl.sum((vj[:, None] == ev[None, :]).to(tl.int32), axis=0)
+    if pid == 0:
+        present = cnt > 0
+        slot = tl.cumsum(present.to(tl.int32), axis=0) - 1
+        start = tl.cumsum(cnt, axis=0) - cnt
+        nd = tl.sum(present.to(tl.int32), axis=0)
+        tl.store(se_ptr + slot, ev, mask=present)
+        tl.store(ss_ptr + slot, start, mask=present)
+        tl.store(sc_ptr + slot, cnt, mask=present)
+        rs = tl.arange(0, SP)
+        unused = (rs >= nd) & (rs < S)
+        tl.store(se_ptr + rs, tl.full([SP], -1, tl.int32), mask=unused)
+        tl.store(ss_ptr + rs, tl.zeros([SP], dtype=tl.int32), mask=unused)
+        tl.store(sc_ptr + rs, tl.zeros([SP], dtype=tl.int32), mask=unused)
+    ri = pid * BI + tl.arange(0, BI)
+    vi = tl.load(idx_ptr + ri, mask=ri < n, other=0).to(tl.int32)
+    rank = tl.zeros([BI], dtype=tl.int32)
+    for j0 in range(0, n, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        vj = tl.load(idx_ptr + rj, mask=rj < n, other=-1).to(tl.int32)
+        lt = (vj[None, :] < vi[:, None]) & (rj < n)[None, :]
+        tie = (vj[None, :] == vi[:, None]) & (rj[None, :] < ri[:, None])
+        rank += tl.sum((lt | tie).to(tl.int32), axis=1)
+    tl.store(perm_ptr + rank, ri, mask=ri < n)

@@ -1,0 +1,95 @@
+"""Small fused decode kernels: SwiGLU with Step-3.5's clamp, and the MoE router's top-k.
+
+At batch 1 a decode step is a few hundred small launches besides the weight-streaming
+GEMVs; each unfused elementwise chain (silu, clamp, clamp, multiply; sigmoid, add, topk,
+gather, sum, divide, scale) costs several launches of ~2-3 µs even inside a CUDA graph,
+per layer. One launch each here.
+
+- :func:`swiglu`: ``gu`` [T, 2I] (rows [gate (I) | up (I)], the fused gate_up projection's
+  output) -> [T, I] = min(silu(gate), limit) * clamp(up, -limit, limit) (no clamp when
+  ``limit`` is None), computed in fp32, rounded once to gu's dtype. Source: STEP35.md
+  "SwiGLU clamp"; reference :func:`swiglu_ref` (memra.models.step3p5.swiglu).
+- :func:`router_topk`: router logits fp32 [T, E] -> (index int64 [T, k], weight fp32 [T, k]):
+  s = sigmoid(logits); the k largest s + bias are chosen (bias only chooses), in descending
+  order; w = s[chosen] / sum(s[chosen]) * scaling. Source: STEP35.md "router"; reference
+  :func:`router_topk_ref` (memra.models.step3p5.MoE.route). Ties (equal s + bias) resolve to
+  the lower expert index.
+
+Both are capturable in CUDA graphs (no host synchronisation) and run under the Triton
+interpreter for CPU tests.
+
+Errors: ValueError naming the argument for shapes/dtypes that do not match.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["swiglu", "swiglu_ref", "router_topk", "router_topk_ref"]
+
+
+def swiglu_ref(gu: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Torch twin of :func:`swiglu` (fp32 math, one rounding)."""
+    g, u = gu.float().chunk(2, dim=-1)
+    a = F.silu(g)
+    if limit is not None:
+        a = a.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return (a * u).to(gu.dtype)
+
+
+def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`router_topk` (as MoE.route after its logits)."""
+    s = torch.sigmoid(logits.float())
+    choice = s if bias is None else s + bias
+    index = choice.topk(k, dim=-1).indices
+    w = s.gather(1, index)
+    return index, w / w.sum(dim=-1, keepdim=True) * scaling
+
+
+def _np2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def swiglu(gu: torch.Tensor, limit: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused SwiGLU (see the module docstring). gu [T, 2I] (bf16/fp16/fp32, unit column stride)."""
+    from ._fused_triton import _swiglu_kernel
+
+    if gu.dim() != 2 or gu.shape[1] % 2 or gu.stride(1) != 1:
+        raise ValueError(f"swiglu: gu must be [T, 2I] with unit column stride, got {tuple(gu.shape)}")
+    t, i2 = gu.shape
+    n = i2 // 2
+    y = out if out is not None else torch.empty(t, n, dtype=gu.dtype, device=gu.device)
+    if t == 0:
+        return y
+    block = min(1024, _np2(n))
+    _swiglu_kernel[(t, -(-n // block))](gu, y, n, gu.stride(0), y.stride(0),
+                                        0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
+                                        BLOCK=block, num_warps=4)
+    return y
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused sigmoid + biased top-k + renormalise + scale (see the module docstring).
+
+    logits fp32 [T, E] (E <= 4096), bias fp32 [E] or None, 1 <= k <= E."""
+    from ._fused_triton import _router_topk_kernel
+
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"router_topk: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
+    t, e = logits.shape
+    if not 1 <= k <= e or e > 4096:
+        raise ValueError(f"router_topk: need 1 <= k <= E <= 4096, got k={k}, E={e}")
+    if bias is not None and (bias.shape != (e,) or bias.dtype != torch.float32):
+        raise ValueError(f"router_topk: bias must be fp32 [{e}], got {bias.dtype} {tuple(bias.shape)}")
+    logits = logits.contiguous()
+    index = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    weight = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    if t == 0:
+        return index, weight
+    _router_topk_kernel[(t,)](logits, logits if bias is None else bias, index, weight, e, float(scaling),
+                              K=k, KP=_np2(k), BLOCK_E=_np2(e), HAS_BIAS=bias is not None, num_warps=4)
+    return index, weight
