@@ -109,45 +109,62 @@ def _smollm2_path() -> str:
     return os.environ.get("MEMRA_SMOLLM2_GGUF", "smollm2-135m")
 
 
-def _agreement(gpu_logits: torch.Tensor, cpu_logits: torch.Tensor) -> float:
-    return float((gpu_logits.argmax(-1) == cpu_logits.argmax(-1)).float().mean())
-
-
-def _check_teacher_forced(cpu_model, gpu_model, ids, n_prefill):
+def _check_teacher_forced(cpu_model, cpu_bf16_model, gpu_model, ids, n_prefill):
+    """bf16 logits on the GPU vs fp32 on the CPU, with the tolerance of the dtype measured on the
+    same tokens: the CPU path run in bf16 gives the bf16 error scale ``e_cpu`` (max |logit - fp32
+    logit|). Checks: the GPU's error is within 1.5 e_cpu; top-1 agrees at >= 99 % of the positions
+    whose fp32 top-1/top-2 gap exceeds 2 e_cpu (where bf16 can decide the argmax); every other
+    flip is at a near-tie (fp32 gap <= 2 x the GPU's own error)."""
     ref = _ref_logits(cpu_model, ids)
+    bf = _ref_logits(cpu_bf16_model, ids)
     got = _paged_run(gpu_model, ids, n_prefill, "cuda")
-    agree = _agreement(got, ref)
-    # bf16 vs fp32: compare log-probabilities, scale-free
-    lp_err = float((torch.log_softmax(got, -1) - torch.log_softmax(ref, -1)).abs().max())
-    print(f"top-1 agreement {agree:.4f} over {len(ids)} positions, max |dlogp| {lp_err:.3f}")
-    return agree, lp_err
+    e_cpu = float((bf - ref).abs().max())
+    e_gpu = float((got - ref).abs().max())
+    top2 = ref.topk(2, dim=-1)
+    gap = top2.values[:, 0] - top2.values[:, 1]
+    same = got.argmax(-1) == top2.indices[:, 0]
+    decided = gap > 2 * e_cpu
+    strict_cpu = float((bf.argmax(-1) == top2.indices[:, 0]).float().mean())
+    agree = float(same[decided].float().mean()) if bool(decided.any()) else 1.0
+    print(f"{len(ids)} positions: top-1 agreement {float(same.float().mean()):.4f} (CPU bf16: {strict_cpu:.4f}); "
+          f"{int(decided.sum())} positions with fp32 gap > 2 x {e_cpu:.3f}: agreement {agree:.4f}; "
+          f"max |logit error| GPU {e_gpu:.3f}, CPU bf16 {e_cpu:.3f}")
+    assert e_gpu <= 1.5 * e_cpu
+    assert agree >= 0.99
+    assert bool((gap[~same] <= 2 * e_gpu).all())
+
+
+_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+         "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within a few "
+         "decades printing shops had spread across Europe, books became cheaper, and literacy rose. Scholars "
+         "could compare identical copies of a text, which changed how knowledge was checked and shared. ")
 
 
 @pytest.mark.gpu
 def test_smollm2_logits_gpu_vs_cpu():
-    from memra.models import load_model
     from memra.hub import resolve_model
+    from memra.io.tokenizer import Tokenizer
+    from memra.models import load_model
 
     path = _smollm2_path()
     path = path if os.path.exists(path) else resolve_model(path)
-    cpu_model, _ = load_model(path, torch.float32)
+    cpu_model, ckpt = load_model(path, torch.float32)
+    cpu_bf16, _ = load_model(path, torch.bfloat16)
     gpu_model, _ = load_model(path, torch.bfloat16)
     gpu_model.to_gpu("cuda")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 40000, (160,), generator=g).tolist()
-    agree, _ = _check_teacher_forced(cpu_model, gpu_model, ids, n_prefill=96)
-    assert agree >= 0.99
+    ids = Tokenizer.from_gguf_metadata(ckpt.metadata).encode(_TEXT * 3)[:200]
+    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=120)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["nvfp4", "bf16", "q8_0", "fp8"])
 def test_tiny_step_logits_gpu_vs_cpu(experts):
-    cpu_model = build_model("tiny", seed=1, expert_format=experts)
+    cpu_model = build_model("tiny", seed=1, expert_format=experts)  # (fp8 banks need I % 128 == 0: tiny's is 128)
+    cpu_bf16 = build_model("tiny", seed=1, expert_format=experts, dtype=torch.bfloat16)
     gpu_model = copy.deepcopy(cpu_model).to_gpu("cuda")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 512, (200,), generator=g).tolist()
-    agree, _ = _check_teacher_forced(cpu_model, gpu_model, ids, n_prefill=150)
-    assert agree >= 0.99
+    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=150)
 
 
 @pytest.mark.gpu
@@ -271,3 +288,20 @@ def test_fused_router_topk_matches_reference(bias):
     assert torch.equal(i, i_ref)
     assert torch.allclose(w, w_ref, atol=1e-6, rtol=1e-5)
     assert torch.allclose(w.sum(-1), torch.full((7,), 2.5, device=dev))
+
+
+def test_fused_kv_write_matches_reference():
+    from memra.kernels.fused import kv_write, kv_write_ref
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    kc = torch.randn(6, 4, 2, 16, generator=g).to(dev)
+    vc = torch.randn(6, 4, 2, 16, generator=g).to(dev)
+    kv = torch.randn(3, 2 * 2 * 16 + 8, generator=g).to(dev)  # strided views of a fused projection output
+    k, v = kv[:, :32].view(3, 2, 16), kv[:, 32:64].view(3, 2, 16)
+    slots = torch.tensor([5, 17, 0], device=dev)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kv_write(k, v, kc, vc, slots)
+    kv_write_ref(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert not torch.equal(kc2, torch.zeros_like(kc2))

@@ -202,6 +202,21 @@ def test_many_tokens_one_expert(fmt, prefetch):
     assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 1.0)) <= (2e-3 if fmt == "nvfp4" else 1e-5)
 
 
+def test_add_accumulates_onto_the_given_tensor():
+    """``add=`` (the shared expert's output): y = routed sum + add, add itself untouched."""
+    gu, down, _ = _banks("q8_0", _i("q8_0"), seed=10)
+    g = torch.Generator().manual_seed(11)
+    index, weight = _routing(3, 2, 6, g)
+    x = torch.randn(3, D, generator=g)
+    add = torch.randn(3, D, generator=g)
+    keep = add.clone()
+    y = moe_decode(x, index, weight, gu, down, 0.5, add=add)
+    assert torch.equal(add, keep)
+    assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 0.5) + add) <= 1e-5
+    with pytest.raises(ValueError, match="add"):
+        moe_decode(x, index, weight, gu, down, 0.5, add=add[:2])
+
+
 def test_default_config_and_uneven_k():
     """The default launch configuration (several programs per slot) and a D that is not a
     multiple of the loop step (masked K tail), nvfp4 (fp16x2) and bf16 (FMA)."""

@@ -163,33 +163,13 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         e0 = model.layers[moe_layers[0]].mlp.experts
         expert_bytes = (e0.gate_up_bank.nbytes + e0.down_bank.nbytes) // e0.num_experts
     for b in batches:
-        ids = torch.randint(3, config.vocab_size, (b,), generator=torch.Generator().manual_seed(b)).tolist()
-        pos = [a.context] * b
-        bt = [[tables[r]] * len(groups) for r in range(b)]
-        logits = runner.run(ids, pos, bt)  # fills the static inputs
-        torch.cuda.synchronize()
-        finite = bool(torch.isfinite(logits).all())
-        graph = runner.graphs[b]
-        step_ms = _time(graph.replay, reps=a.reps)
+        try:
+            results.append(_bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_bytes, copy_bw))
+        except Exception as e:  # noqa: BLE001 - report it, go on with the other batch sizes
+            import traceback
 
-        # distinct experts per MoE layer on this step's routing, and the phase split
-        kv = DecodeKV(cache, [t[:b] for t in runner.tables], runner.seq_lens[:b], [s[:b] for s in runner.slots])
-        phases, distinct = _phases(model, runner.ids[:b], runner.pos[:b], kv, a.reps)
-        routed_read = sum(distinct) * expert_bytes
-        step_bytes = (wbytes["attention"] + wbytes["dense_mlp"] + wbytes["shared_experts"] + wbytes["router"]
-                      + wbytes["lm_head"] + wbytes["norms"] + b * 2 * config.hidden_size + routed_read
-                      + _kv_read_bytes(config, a.context + 1, b))
-        floor_ms = step_bytes / copy_bw * 1e3
-        row = {"batch": b, "step_ms": step_ms, "tok_s": b / step_ms * 1e3, "step_bytes": step_bytes,
-               "floor_ms": floor_ms, "roofline_tok_s": b / floor_ms * 1e3, "pct_of_roofline": 100 * floor_ms / step_ms,
-               "distinct_experts_per_layer": statistics.mean(distinct) if distinct else 0,
-               "routed_bytes": routed_read, "phases_ms": phases, "phases_sum_ms": sum(phases.values()),
-               "logits_finite": finite}
-        results.append(row)
-        print(f"B={b}: {step_ms:.3f} ms/step, {row['tok_s']:.0f} tok/s; floor {floor_ms:.3f} ms "
-              f"({step_bytes / 1e9:.2f} GB) -> {row['pct_of_roofline']:.1f}% of roofline; "
-              f"phases {', '.join(f'{k} {v:.3f}' for k, v in phases.items())} (sum {row['phases_sum_ms']:.3f})",
-              flush=True)
+            traceback.print_exc()
+            results.append({"batch": b, "error": f"{type(e).__name__}: {e}"})
     res = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": _commit(),
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format,
@@ -200,6 +180,42 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         "results": results,
     }
     return res
+
+
+def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_bytes, copy_bw) -> dict:
+    """One batch size: graph replay time, phases, distinct experts, byte floor."""
+    import torch
+
+    from ..engine.cuda_graph import DecodeKV
+
+    config = model.config
+    ids = torch.randint(3, config.vocab_size, (b,), generator=torch.Generator().manual_seed(b)).tolist()
+    pos = [a.context] * b
+    bt = [[tables[r]] * len(groups) for r in range(b)]
+    logits = runner.run(ids, pos, bt)  # fills the static inputs
+    torch.cuda.synchronize()
+    finite = bool(torch.isfinite(logits).all())
+    graph = runner.graphs[b]
+    step_ms = _time(graph.replay, reps=a.reps)
+
+    # distinct experts per MoE layer on this step's routing, and the phase split
+    kv = DecodeKV(cache, [t[:b] for t in runner.tables], runner.seq_lens[:b], [s[:b] for s in runner.slots])
+    phases, distinct = _phases(model, runner.ids[:b], runner.pos[:b], kv, a.reps)
+    routed_read = sum(distinct) * expert_bytes
+    step_bytes = (wbytes["attention"] + wbytes["dense_mlp"] + wbytes["shared_experts"] + wbytes["router"]
+                  + wbytes["lm_head"] + wbytes["norms"] + b * 2 * config.hidden_size + routed_read
+                  + _kv_read_bytes(config, a.context + 1, b))
+    floor_ms = step_bytes / copy_bw * 1e3
+    row = {"batch": b, "step_ms": step_ms, "tok_s": b / step_ms * 1e3, "step_bytes": step_bytes,
+           "floor_ms": floor_ms, "roofline_tok_s": b / floor_ms * 1e3, "pct_of_roofline": 100 * floor_ms / step_ms,
+           "distinct_experts_per_layer": statistics.mean(distinct) if distinct else 0,
+           "routed_bytes": routed_read, "phases_ms": phases, "phases_sum_ms": sum(phases.values()),
+           "logits_finite": finite}
+    print(f"B={b}: {step_ms:.3f} ms/step, {row['tok_s']:.0f} tok/s; floor {floor_ms:.3f} ms "
+          f"({step_bytes / 1e9:.2f} GB) -> {row['pct_of_roofline']:.1f}% of roofline; "
+          f"phases {', '.join(f'{k} {v:.3f}' for k, v in phases.items())} (sum {row['phases_sum_ms']:.3f})",
+          flush=True)
+    return row
 
 
 def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
@@ -281,6 +297,9 @@ def print_table(res: dict) -> None:
     print(hdr)
     print("|" + " --- |" * (hdr.count("|") - 1))
     for r in res["results"]:
+        if "error" in r:
+            print(f"| {r['batch']} | error: {r['error']} |")
+            continue
         p = r["phases_ms"]
         print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | {r['step_bytes'] / 1e9:.2f} | "
               f"{r['floor_ms']:.3f} | {r['roofline_tok_s']:.0f} | {r['pct_of_roofline']:.1f} | "

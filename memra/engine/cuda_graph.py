@@ -47,12 +47,12 @@ class DecodeKV:
         """Write k, v [B, KV, D] to their slots, then attend q [B, H, D] -> [B, H, D] over the pages
         (memra/kernels/attention_decode.py; ``gate`` [B, H]: output times sigmoid(gate))."""
         from ..kernels.attention_decode import paged_decode_attention
+        from ..kernels.fused import kv_write
 
         cache = self.cache
         gi = cache.layer_group[layer]
         kc, vc = cache.k[layer], cache.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots[gi], k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots[gi], v.to(vc.dtype))
+        kv_write(k, v, kc, vc, self.slots[gi])
         return paged_decode_attention(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
 
 

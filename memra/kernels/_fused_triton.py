@@ -43,3 +43,15 @@ def _router_topk_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexp
     total = tl.sum(tl.where(kk < K, sel_s, 0.0), axis=0)
     tl.store(idx_ptr + row * K + kk, sel_i.to(tl.int64), mask=kk < K)
     tl.store(w_ptr + row * K + kk, sel_s / total * scaling, mask=kk < K)
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < W
+    kk = tl.load(k_ptr + row * stride_k + c, mask=m)
+    vv = tl.load(v_ptr + row * stride_v + c, mask=m)
+    tl.store(kc_ptr + slot * W + c, kk.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(vc_ptr + slot * W + c, vv.to(vc_ptr.dtype.element_ty), mask=m)

@@ -15,7 +15,11 @@ per layer. One launch each here.
   :func:`router_topk_ref` (memra.models.step3p5.MoE.route). Ties (equal s + bias) resolve to
   the lower expert index.
 
-Both are capturable in CUDA graphs (no host synchronisation) and run under the Triton
+- :func:`kv_write`: this step's K and V rows [B, KV, D] into the paged caches
+  [num_blocks, block_size, KV, D] at flat slots [B] (block * block_size + offset), both in
+  one launch (instead of two ``index_copy_``); reference :func:`kv_write_ref`.
+
+All are capturable in CUDA graphs (no host synchronisation) and run under the Triton
 interpreter for CPU tests.
 
 Errors: ValueError naming the argument for shapes/dtypes that do not match.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu", "swiglu_ref", "router_topk", "router_topk_ref"]
+__all__ = ["swiglu", "swiglu_ref", "router_topk", "router_topk_ref", "kv_write", "kv_write_ref"]
 
 
 def swiglu_ref(gu: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -93,3 +97,35 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling
     _router_topk_kernel[(t,)](logits, logits if bias is None else bias, index, weight, e, float(scaling),
                               K=k, KP=_np2(k), BLOCK_E=_np2(e), HAS_BIAS=bias is not None, num_warps=4)
     return index, weight
+
+
+def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """Torch twin of :func:`kv_write`."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write k, v [B, KV, D] (rows may be strided views) to contiguous caches
+    [num_blocks, block_size, KV, D] at int64 ``slots`` [B] (see the module docstring)."""
+    from ._fused_triton import _kv_write_kernel
+
+    b = k.shape[0]
+    w = k.shape[1] * k.shape[2]
+    if (k.shape != v.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:])
+            or slots.shape != (b,)):
+        raise ValueError(f"kv_write: k, v [B, KV, D] = {tuple(k.shape)}, {tuple(v.shape)}; caches "
+                         f"{tuple(k_cache.shape)}; slots {tuple(slots.shape)} do not match")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("kv_write: the caches must be contiguous")
+    if b == 0:
+        return
+    if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+        v = v.contiguous()
+    block = min(1024, _np2(w))
+    _kv_write_kernel[(b, -(-w // block))](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), w,
+                                          BLOCK=block, num_warps=4)

@@ -456,9 +456,8 @@ class MoeDecodeConfig:
     down kernel: ``bn`` rows of D per program, ``bk2`` columns of I per step, ``split_k``.
     ``f16``: fp16x2 path for nvfp4 (ignored for other formats); ``prefetch``: next weight tile
     loaded before the current one is used; ``num_warps`` for both kernels; ``group``: how the
-    pairs are grouped by expert (:func:`moe_group`: "torch", GPU-verified, ~20 small kernels, or
-    "triton", one launch; checked under the interpreter and compiled for sm_90, not yet run on
-    the H200 when this was written).
+    pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
+    the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels).
     """
 
     ba: int = 32
@@ -470,7 +469,7 @@ class MoeDecodeConfig:
     f16: bool = True
     prefetch: bool = True
     num_warps: int = 4
-    group: str = "torch"
+    group: str = "triton"
 
 
 def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> MoeDecodeConfig:
@@ -506,7 +505,7 @@ def _kernels():
 
 def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
                down: ExpertBank, limit: float | None, out: torch.Tensor | None = None,
-               config: MoeDecodeConfig | None = None) -> torch.Tensor:
+               config: MoeDecodeConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: ``y[t] = sum_j weight[t, j] * down_e(swiglu(gate_e x[t], up_e x[t], limit))``,
     ``e = index[t, j]``, each distinct chosen expert's weights read once (module docstring).
 
@@ -520,6 +519,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         out: optional [T, D] tensor of x's dtype, written in full.
         config: launch parameters (default :func:`default_moe_config`); extension beyond the
             shared API, for benchmarks.
+        add: optional [T, D] tensor added to the result (the down kernel accumulates onto it:
+            the MoE layer passes its shared expert's output, saving one addition launch).
 
     Returns: y [T, D] in x.dtype (``out`` if given). No host syncs: CUDA-graph capturable
     (scratch buffers are allocated per call from the caching allocator).
@@ -548,7 +549,12 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
     s = slot_e.shape[0]
     wflat = weight.reshape(-1).float().contiguous()
     act = torch.empty(t * topk, i, dtype=torch.float32, device=x.device)
-    y32 = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    if add is not None and tuple(add.shape) != (t, d):
+        raise ValueError(f"moe_decode: add must be [{t}, {d}], got {tuple(add.shape)}")
+    # the down kernel accumulates into y32: zeros, or ``add`` (e.g. the shared expert's output)
+    y32 = torch.zeros(t, d, dtype=torch.float32, device=x.device) if add is None else add.float().contiguous()
+    if add is not None and y32.data_ptr() == add.data_ptr():
+        y32 = y32.clone()
     k1, k2 = _kernels()
     asm = not interpret_mode()
 

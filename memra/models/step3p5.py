@@ -176,12 +176,14 @@ class RoutedExperts(nn.Module):
     def on_gpu(self) -> bool:
         return hasattr(self, "gate_up_bank")
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
         if self.on_gpu:
             from ..kernels.moe_decode import moe_decode
 
             # no routing counts here: they would cost two launches per layer per step
-            return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit)
+            return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
         self.tokens_per_expert = counts
@@ -192,7 +194,7 @@ class RoutedExperts(nn.Module):
             # rows are distinct (top-k picks an expert at most once per token); indexed += rather than
             # index_add_, which on CPU enters an OpenMP region even for a few rows (ms per call under load)
             out[rows] += y * weight[rows, slot, None].to(y.dtype)
-        return out
+        return out if add is None else out + add
 
 
 class MoE(nn.Module):
@@ -226,6 +228,8 @@ class MoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         index, weight = self.route(h)
+        if getattr(self, "gpu", False):  # the routed experts accumulate onto the shared expert's output
+            return self.experts(h, index, weight, None if self.shared is None else self.shared(h))
         y = self.experts(h, index, weight)
         return y if self.shared is None else y + self.shared(h)
 
@@ -242,14 +246,24 @@ class Step35Layer(nn.Module):
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
-        if getattr(self, "gpu", False):  # residual add fused into the second norm
-            from ..kernels.norm_rope import rms_norm
-
-            h2, x = rms_norm(self.attn(self.attn_norm(x), cos, sin, kv), self.ffn_norm.weight, self.ffn_norm.eps,
-                             residual=x)
-            return x + self.mlp(h2)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.ffn_norm(x))
+
+    def forward_fused(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU form of :meth:`forward` with the residual additions fused into the norms
+        (memra/kernels/norm_rope.py ``rms_norm(.., residual=)``): the input residual is
+        ``x + pending`` (``pending``: the previous layer's MLP output, not yet added; None for the
+        first layer). Returns (residual after attention, this layer's MLP output), so that the
+        layer's output is their sum, left to the next norm."""
+        from ..kernels.norm_rope import rms_norm
+
+        if pending is None:
+            h = self.attn_norm(x)
+        else:
+            h, x = rms_norm(pending, self.attn_norm.weight, self.attn_norm.eps, residual=x)
+        h2, x = rms_norm(self.attn(h, cos, sin, kv), self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
+        return x, self.mlp(h2)
 
 
 class MTPLayer(nn.Module):
@@ -299,6 +313,23 @@ class Step35ForCausalLM(CausalLM):
                  lm_head: Linear, mtp: list[MTPLayer]):
         super().__init__(config, embed, layers, norm, lm_head)
         self.mtp = nn.ModuleList(mtp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False) -> torch.Tensor:
+        """As :meth:`CausalLM.forward`; on the GPU the residual additions are fused into the
+        RMSNorm kernels (:meth:`Step35Layer.forward_fused`)."""
+        if not getattr(self, "gpu", False):
+            return super().forward(input_ids, positions, kv, prenorm=prenorm)
+        from ..kernels.norm_rope import rms_norm
+
+        x, pending = self.embed(input_ids), None
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            key = self._rope_keys[i]
+            if key not in tables:
+                tables[key] = rope_cos_sin(self.config.layers[i], positions, x.dtype)
+            x, pending = layer.forward_fused(x, pending, *tables[key], kv)
+        y, x = rms_norm(pending, self.norm.weight, self.norm.eps, residual=x)
+        return x if prenorm else y
 
     # ------------------------------------------------------------------ routing statistics
     def routing_stats(self) -> dict[int, torch.Tensor]:
