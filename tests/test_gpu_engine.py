@@ -109,29 +109,34 @@ def _smollm2_path() -> str:
     return os.environ.get("MEMRA_SMOLLM2_GGUF", "smollm2-135m")
 
 
-def _check_teacher_forced(cpu_model, cpu_bf16_model, gpu_model, ids, n_prefill):
+def _check_teacher_forced(cpu_model, cpu_bf16_model, gpu_model, ids, n_prefill, min_decided: float = 0.0):
     """bf16 logits on the GPU vs fp32 on the CPU, with the tolerance of the dtype measured on the
-    same tokens: the CPU path run in bf16 gives the bf16 error scale ``e_cpu`` (max |logit - fp32
-    logit|). Checks: the GPU's error is within 1.5 e_cpu; top-1 agrees at >= 99 % of the positions
-    whose fp32 top-1/top-2 gap exceeds 2 e_cpu (where bf16 can decide the argmax); every other
-    flip is at a near-tie (fp32 gap <= 2 x the GPU's own error)."""
+    same tokens, per position: the CPU path run in bf16 gives each position's bf16 error scale
+    ``e`` (max over the vocabulary of |logit - fp32 logit|). Checks: at >= 99 % of the positions
+    the GPU's top-1 token is within 2 e of the fp32 maximum; at the positions whose fp32
+    top-1/top-2 gap exceeds 2 e (where bf16 can decide the argmax; at least ``min_decided`` of
+    them) the top-1 agrees at >= 99 %; the GPU's median per-position error is within 1.5x the
+    CPU bf16 path's."""
     ref = _ref_logits(cpu_model, ids)
     bf = _ref_logits(cpu_bf16_model, ids)
     got = _paged_run(gpu_model, ids, n_prefill, "cuda")
-    e_cpu = float((bf - ref).abs().max())
-    e_gpu = float((got - ref).abs().max())
+    e_cpu = (bf - ref).abs().amax(-1)
+    e_gpu = (got - ref).abs().amax(-1)
     top2 = ref.topk(2, dim=-1)
     gap = top2.values[:, 0] - top2.values[:, 1]
-    same = got.argmax(-1) == top2.indices[:, 0]
+    g_top = got.argmax(-1)
+    same = g_top == top2.indices[:, 0]
+    within = ref.gather(1, g_top[:, None])[:, 0] >= top2.values[:, 0] - 2 * e_cpu
     decided = gap > 2 * e_cpu
-    strict_cpu = float((bf.argmax(-1) == top2.indices[:, 0]).float().mean())
     agree = float(same[decided].float().mean()) if bool(decided.any()) else 1.0
-    print(f"{len(ids)} positions: top-1 agreement {float(same.float().mean()):.4f} (CPU bf16: {strict_cpu:.4f}); "
-          f"{int(decided.sum())} positions with fp32 gap > 2 x {e_cpu:.3f}: agreement {agree:.4f}; "
-          f"max |logit error| GPU {e_gpu:.3f}, CPU bf16 {e_cpu:.3f}")
-    assert e_gpu <= 1.5 * e_cpu
+    print(f"{len(ids)} positions: top-1 agreement {float(same.float().mean()):.4f} (CPU bf16: "
+          f"{float((bf.argmax(-1) == top2.indices[:, 0]).float().mean()):.4f}); within the bf16 tolerance "
+          f"{float(within.float().mean()):.4f}; {int(decided.sum())} decided positions: agreement {agree:.4f}; "
+          f"median per-position error GPU {float(e_gpu.median()):.3f}, CPU bf16 {float(e_cpu.median()):.3f}")
+    assert float(within.float().mean()) >= 0.99
+    assert float(decided.float().mean()) >= min_decided
     assert agree >= 0.99
-    assert bool((gap[~same] <= 2 * e_gpu).all())
+    assert float(e_gpu.median()) <= 1.5 * float(e_cpu.median())
 
 
 _TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -153,7 +158,7 @@ def test_smollm2_logits_gpu_vs_cpu():
     gpu_model, _ = load_model(path, torch.bfloat16)
     gpu_model.to_gpu("cuda")
     ids = Tokenizer.from_gguf_metadata(ckpt.metadata).encode(_TEXT * 3)[:200]
-    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=120)
+    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=120, min_decided=0.3)
 
 
 @pytest.mark.gpu
@@ -168,6 +173,25 @@ def test_tiny_step_logits_gpu_vs_cpu(experts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["nvfp4", "q8_0"])
+def test_tiny_step_fp32_on_gpu_matches_cpu(experts):
+    """The GPU path computing in fp32 (the kernels' fp32 modes: tf32 tensor-core dots for T > 2,
+    the fp16x2 NVFP4 products): a tight check of every kernel's indexing inside the whole model,
+    where bf16 noise would hide an error on this random model."""
+    cpu_model = build_model("tiny", seed=2, expert_format=experts)
+    gpu_model = copy.deepcopy(cpu_model).to_gpu("cuda", torch.float32)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 512, (120,), generator=g).tolist()
+    ref = _ref_logits(cpu_model, ids)
+    got = _paged_run(gpu_model, ids, n_prefill=90, device="cuda")
+    err = float((got - ref).abs().max() / ref.abs().max())
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"fp32 GPU path ({experts}): relative error {err:.2e}, top-1 agreement {agree:.4f}")
+    assert err < 2e-2
+    assert agree >= 0.99
+
+
+@pytest.mark.gpu
 def test_engine_on_gpu_greedy_matches_cpu_argmax():
     """Greedy generation through the GPU engine (CUDA graphs, batch of 4) vs the fp32 CPU model's
     argmax on the generated tokens (teacher forced)."""
@@ -178,7 +202,8 @@ def test_engine_on_gpu_greedy_matches_cpu_argmax():
 
     path = _smollm2_path()
     path = path if os.path.exists(path) else resolve_model(path)
-    eng = LLMEngine(EngineConfig(model=path, device="cuda", max_model_len=512, max_num_seqs=8))
+    eng = LLMEngine(EngineConfig(model=path, device="cuda", max_model_len=512, max_num_seqs=8,
+                                 gpu_memory_utilization=0.3))
     assert eng.graphs is not None
     print(eng.kv_cache_summary())
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
@@ -209,6 +234,11 @@ def test_engine_on_gpu_greedy_matches_cpu_argmax():
                 break  # after a flip the continuation differs legitimately
     print(f"greedy agreement {agree}/{total}")
     assert agree / total >= 0.95
+    del eng  # its KV cache takes most of the GPU: free it for the tests that follow
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
@@ -230,7 +260,7 @@ def test_serve_on_gpu_answers():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
-        while time.time() < deadline:
+        while time.time() < deadline and proc.poll() is None:  # a server that exits fails at once
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -305,3 +335,24 @@ def test_fused_kv_write_matches_reference():
     kv_write_ref(k, v, kc2, vc2, slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert not torch.equal(kc2, torch.zeros_like(kc2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_load_with_device_moves_layer_by_layer(tmp_path, arch):
+    """load_model(..., device=) builds each layer and moves it at once; the result equals a model
+    built on the CPU and moved afterwards (same packed weights, same logits)."""
+    from tiny_models import tiny_gguf
+
+    from memra.models import load_model
+
+    path = tiny_gguf(tmp_path / "m.gguf", arch, layers=2)
+    a, _ = load_model(path, torch.float32, device="cpu")
+    b, _ = load_model(path, torch.float32)
+    b.to_gpu("cpu", torch.float32)
+    assert a.lm_head.kernel == "gpu" and a.layers[0].gpu and not hasattr(a.lm_head, "stored")
+    for pa, pb in zip(a.modules(), b.modules()):
+        if getattr(pa, "kernel", None) == "gpu":
+            assert torch.equal(pa.packed_weight.data, pb.packed_weight.data)
+    ids = [1, 5, 9, 3]
+    assert torch.equal(_paged_run(a, ids, 3, "cpu"), _paged_run(b, ids, 3, "cpu"))

@@ -248,8 +248,8 @@ def test_moe_route_matches_model():
     for b in (bias, None):
         moe = MoE(router, b, experts=None, shared=None, top_k=3, scaling=2.5)
         i0, w0 = moe.route(h)
-        i1, w1 = moe_route(h, router, b, 3, 2.5)
-        assert torch.equal(i0, i1) and torch.equal(w0, w1)
+        i1, w1 = moe_route(h, router, b, 3, 2.5)  # the fused kernel's sigmoid may differ by an ulp
+        assert torch.equal(i0, i1) and torch.allclose(w0, w1, rtol=1e-6, atol=1e-7)
         assert i1.dtype == torch.int64 and w1.dtype == torch.float32
 
 

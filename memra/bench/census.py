@@ -18,6 +18,12 @@ Shapes (shared/STEP35.md; TP2 = the per-card halves): fused QKV + head gate (ful
 heads, sliding layers 96), o_proj, shared expert gate+up / down, dense MLP gate+up / down,
 LM head, and the stacked gate+up of 8 routed experts (what a top-8 step reads per layer).
 
+Then the MoE selected-expert curve (shared/seeds moe-sel-census; ``--moe-t``, default T = 1, 2, 4, 8;
+memra/bench/moe_census.py): :func:`~memra.kernels.moe_decode.moe_decode` (gate+up with the
+SwiGLU clamp, down with the routing weights, each distinct expert read once) at the flagship's
+288 experts top-8, random routing: µs per call, µs per (token, expert) pair, distinct experts
+read, TB/s, % of copy bandwidth, the ratio to T = 1, and the router's µs.
+
 ``--tune`` first sweeps a small candidate list of launch configurations per (format, shape,
 T) and keeps the fastest (written with ``--table-out``; memra/kernels/gemv_configs.json is
 the table the kernels load).
@@ -449,6 +455,9 @@ def add_census_args(p: argparse.ArgumentParser) -> None:
                    help="weight copies per measurement cover at least this many bytes (> L2)")
     p.add_argument("--baseline", action="store_true", help="also time torch.mm (cuBLAS) for bf16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe-t", default="1,2,4,8",
+                   help="MoE selected-expert curve (memra/bench/moe_census.py): token counts, or '' to skip")
+    p.add_argument("--moe-formats", default="nvfp4", help="routed-expert formats of the MoE curve")
 
 
 def run_from_args(a: argparse.Namespace) -> int:
@@ -462,6 +471,15 @@ def run_from_args(a: argparse.Namespace) -> int:
             raise SystemExit(f"memra bench census: --t: {v!r} is not an integer in 1..16")
     res = run_census(a)
     print_table(res)
+    if a.moe_t:
+        from .moe_census import moe_sel_census, print_moe_table
+
+        ts = tuple(int(v) for v in a.moe_t.split(","))
+        res["moe_sel"] = []
+        for fmt in a.moe_formats.split(","):
+            m = moe_sel_census(ts, fmt, reps=a.reps)
+            print_moe_table(m)
+            res["moe_sel"].append(m)
     if a.png_out:
         res["png"] = plot(res, a.png_out)
         print(res["png"])
@@ -469,7 +487,8 @@ def run_from_args(a: argparse.Namespace) -> int:
         Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json_out).write_text(json.dumps(res, indent=1) + "\n")
         print(f"JSON written to {a.json_out}")
-    return 0 if all(r["correct"] for r in res["rows"]) else 1
+    moe_ok = all(r.get("correct", True) for m in res.get("moe_sel", []) for r in m["rows"])
+    return 0 if all(r["correct"] for r in res["rows"]) and moe_ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,8 +56,14 @@ class DecodeKV:
         return paged_decode_attention(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
 
 
+MAX_GRAPH_BATCH = 64  # the decode kernels' widest input (memra/layers/linear.py gpu_linear, moe_decode)
+
+
 def default_buckets(max_batch: int) -> list[int]:
-    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to ``max_batch`` (as vLLM)."""
+    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to ``max_batch`` (as vLLM), at most
+    :data:`MAX_GRAPH_BATCH`: wider decode steps run eagerly (wider inputs leave the decode
+    kernels for the prefill path, which is not graph-safe)."""
+    max_batch = min(max_batch, MAX_GRAPH_BATCH)
     out = [b for b in (1, 2, 4) if b < max_batch]
     b = 8
     while b < max_batch:
@@ -85,7 +91,9 @@ class CudaGraphRunner:
         self.model, self.cache = model, cache
         dev = cache.k[cache.groups[0].layers[0]].device
         self.device, self.block_size = dev, cache.block_size
-        self.buckets = buckets or default_buckets(max_batch)
+        self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
+        if self.buckets[-1] > MAX_GRAPH_BATCH:
+            raise ValueError(f"CUDA graph batch sizes {self.buckets} exceed {MAX_GRAPH_BATCH}")
         self.max_batch = self.buckets[-1]
         n = self.max_batch
         self.scratch = [b * cache.block_size for b in scratch_blocks]
@@ -137,6 +145,9 @@ class CudaGraphRunner:
         tables ``block_tables[r][g]``. Returns the fp32 logits [len(ids), vocab] (a view of the
         graph's output buffer, valid until the next call)."""
         n = len(ids)
+        if n == 0 or len(positions) != n or len(block_tables) != n:
+            raise ValueError(f"CudaGraphRunner.run: {n} ids, {len(positions)} positions and {len(block_tables)} "
+                             f"block tables; expected the same number >= 1")
         b = self.bucket(n)
         bs = self.block_size
         pad = b - n
@@ -154,7 +165,10 @@ class CudaGraphRunner:
                     raise ValueError(f"block table of {len(t)} blocks exceeds the captured width {width}")
                 tab[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
                 p = positions[r]
-                slots.append(t[p // bs] * bs + p % bs)
+                blk = t[p // bs] if p // bs < len(t) else -1
+                if blk < 0:
+                    raise ValueError(f"row {r}: position {p} has no KV block in group {g} (block table {t})")
+                slots.append(blk * bs + p % bs)
             self.tables[g][:b].copy_(tab, non_blocking=True)
             self.slots[g][:b].copy_(torch.tensor(slots + [self.scratch[g]] * pad, dtype=torch.int64),
                                     non_blocking=True)

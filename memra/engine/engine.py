@@ -80,11 +80,19 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: supported devices are 'cpu' and 'cuda[:N]'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}: this torch build sees no CUDA GPU")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        if dev.type == "cpu" and dev.index not in (None, 0):
+            raise ValueError(f"device={self.device!r}: the CPU device takes no index")
+        self.device = str(dev)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if self.dtype is None:
             self.dtype = "float32" if dev.type == "cpu" else "bfloat16"
         if dev.type == "cuda" and DTYPES.get(self.dtype) != torch.bfloat16:
             raise ValueError(f"dtype={self.dtype!r} on a GPU: the GPU kernels compute in bfloat16")
-        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
+                and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (supported: {', '.join(DTYPES)})")
@@ -148,9 +156,10 @@ class LLMEngine:
         if model is None:
             local = Path(cfg.model).expanduser()
             path = local if local.is_dir() else resolve_model(str(cfg.model))
-            model, self.checkpoint = load_model(path, dtype, progress=progress)
-            if device.type == "cuda":
-                model.to_gpu(device, dtype)
+            # on a GPU each layer moves there as soon as it is built: the host never holds
+            # more than one layer's dequantized weights
+            model, self.checkpoint = load_model(path, dtype, progress=progress,
+                                                device=device if device.type == "cuda" else None)
             tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
                          else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
             self.model_name = str(cfg.model)

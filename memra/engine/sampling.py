@@ -132,9 +132,12 @@ class Sampler:
         """Record ``token`` chosen on the device as the argmax (greedy, no penalties, no
         logprobs: the same choice :meth:`sample` makes); ``logit`` is its value.
 
-        Raises: ValueError if ``logit`` is not finite (no finite logit: cannot sample)."""
+        Raises: ValueError if ``logit`` is not finite (no finite logit: cannot sample) or the
+        token is outside the vocabulary."""
         if not math.isfinite(logit):
             raise ValueError(f"the model produced no finite logit (max {logit}): cannot sample")
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"token {token} is outside the vocabulary [0, {self.vocab_size})")
         self.counts[token] += 1
         return SampleResult(token)
 

@@ -63,8 +63,14 @@ def swiglu(gu: torch.Tensor, limit: float | None, out: torch.Tensor | None = Non
 
     if gu.dim() != 2 or gu.shape[1] % 2 or gu.stride(1) != 1:
         raise ValueError(f"swiglu: gu must be [T, 2I] with unit column stride, got {tuple(gu.shape)}")
+    if gu.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"swiglu: gu is {gu.dtype}; expected bf16, fp16 or fp32")
     t, i2 = gu.shape
     n = i2 // 2
+    if out is not None and (tuple(out.shape) != (t, n) or out.dtype != gu.dtype or out.stride(1) != 1
+                            or out.device != gu.device):
+        raise ValueError(f"swiglu: out must be {gu.dtype} [{t}, {n}] on {gu.device} with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     y = out if out is not None else torch.empty(t, n, dtype=gu.dtype, device=gu.device)
     if t == 0:
         return y
@@ -109,9 +115,17 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Write k, v [B, KV, D] (rows may be strided views) to contiguous caches
-    [num_blocks, block_size, KV, D] at int64 ``slots`` [B] (see the module docstring)."""
+    [num_blocks, block_size, KV, D] at int64 ``slots`` [B] (see the module docstring).
+
+    Slot values are not range-checked (that would synchronise with the host): callers give
+    slots inside the caches (the engine's block tables do).
+
+    Raises: ValueError for shapes, dtypes or layouts that do not match."""
     from ._fused_triton import _kv_write_kernel
 
+    if k.dim() != 3 or k_cache.dim() != 4 or slots.dtype != torch.int64:
+        raise ValueError(f"kv_write: expected k, v [B, KV, D], caches [blocks, block_size, KV, D] and int64 slots, "
+                         f"got {tuple(k.shape)}, {tuple(k_cache.shape)}, {slots.dtype}")
     b = k.shape[0]
     w = k.shape[1] * k.shape[2]
     if (k.shape != v.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:])

@@ -98,6 +98,21 @@ _GS = {"bf16": 8, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # weights per inner group
 MAX_T = 16
 
 
+def check_layout(owner: str, what_for: str, fmt: str, parts) -> None:
+    """Checks (name, tensor, dtype, shape) ``parts`` of a packed weight: each a contiguous tensor
+    of that dtype and shape, or None where the dtype is None (no scale).
+
+    Raises: ValueError naming ``owner``, the part, what it is and what was expected."""
+    for what, t, dt, shape in parts:
+        if dt is None:
+            if t is not None:
+                raise ValueError(f"{owner}: {fmt} has no scale, got {type(t).__name__}")
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{owner}: {what} is {got}, expected contiguous {dt} {shape} for {what_for}")
+
+
 @dataclass
 class DecodeWeight:
     """A linear weight ``W [N, K]`` in a decode kernel's GPU layout (see the module table).
@@ -137,15 +152,8 @@ class DecodeWeight:
         if n < 1 or k < 1 or k % block:
             raise ValueError(f"DecodeWeight {self.name!r}: {self.fmt} needs N >= 1 and K a positive multiple "
                              f"of {block}, got N={n}, K={k}")
-        for what, t, dt, shape in (("data", self.data, ddt, dshape), ("scale", self.scale, sdt, sshape)):
-            if dt is None:
-                if t is not None:
-                    raise ValueError(f"DecodeWeight {self.name!r}: {self.fmt} has no scale, got {type(t).__name__}")
-                continue
-            if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"DecodeWeight {self.name!r}: {what} is {got}, expected contiguous {dt} {shape} "
-                                 f"for {self.fmt} [{n}, {k}]")
+        check_layout(f"DecodeWeight {self.name!r}", f"{self.fmt} [{n}, {k}]", self.fmt,
+                     (("data", self.data, ddt, dshape), ("scale", self.scale, sdt, sshape)))
         if self.data.numel() >= 2**31:
             raise ValueError(f"DecodeWeight {self.name!r}: {self.data.numel()} code elements; the kernel's 32-bit "
                              f"offsets allow < 2^31 (split the weight)")

@@ -51,7 +51,7 @@ from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 from ..quant.types import QType
 from . import gemv
-from .gemv import FORMATS, DecodeWeight, dequantize_packed, interpret_mode
+from .gemv import FORMATS, DecodeWeight, check_layout, dequantize_packed, interpret_mode
 
 __all__ = [
     "ExpertBank",
@@ -120,15 +120,8 @@ class ExpertBank:
             raise ValueError(f"ExpertBank {self.name!r}: {self.fmt} needs E, n >= 1 and k a positive multiple of "
                              f"{block}, got E={e}, n={n}, k={k}")
         ddt, dshape, sdt, sshape = want[self.fmt]
-        for what, t, dt, shape in (("data", self.data, ddt, dshape), ("scale", self.scale, sdt, sshape)):
-            if dt is None:
-                if t is not None:
-                    raise ValueError(f"ExpertBank {self.name!r}: {self.fmt} has no scale, got {type(t).__name__}")
-                continue
-            if not isinstance(t, torch.Tensor) or t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"ExpertBank {self.name!r}: {what} is {got}, expected contiguous {dt} {shape} "
-                                 f"for {self.fmt} [{e}, {n}, {k}]")
+        check_layout(f"ExpertBank {self.name!r}", f"{self.fmt} [{e}, {n}, {k}]", self.fmt,
+                     (("data", self.data, ddt, dshape), ("scale", self.scale, sdt, sshape)))
         if self.data.numel() // e >= 2**31:
             raise ValueError(f"ExpertBank {self.name!r}: {self.data.numel() // e} code elements per expert; the "
                              f"kernels' 32-bit offsets inside an expert allow < 2^31")
@@ -304,15 +297,17 @@ def _deinterleave(w: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tenso
 
 def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid top-k routing, exactly ``MoE.route`` of memra/models/step3p5.py.
-
-    ``s = sigmoid(h.float() @ router^T)`` [T, E]; the top-k of ``s + bias`` (bias only
-    chooses); weights ``s[chosen] / sum(s[chosen]) * scaling``.
+    """Sigmoid top-k routing on the device: the math of ``MoE.route`` (memra/models/step3p5.py,
+    STEP35.md "router") in two launches: fp32 logits ``h.float() @ router^T`` (cuBLAS), then
+    :func:`memra.kernels.fused.router_topk` (sigmoid, the top-k of ``s + bias``, the bias only
+    choosing; weights ``s[chosen] / sum * scaling``). The model's GPU path calls this.
 
     Args: h [T, D] any float dtype; router fp32 [E, D]; bias fp32 [E] or None; top_k <= E.
     Returns: (index int64 [T, top_k], weight fp32 [T, top_k]). No host sync (CUDA-graph safe).
     Raises: ValueError on shape mismatches.
     """
+    from .fused import router_topk
+
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"moe_route: h [T, D] and router [E, D] expected, got {tuple(h.shape)} and "
                          f"{tuple(router.shape)}")
@@ -320,11 +315,7 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, 
         raise ValueError(f"moe_route: top_k = {top_k} must be in 1..E = {router.shape[0]}")
     if bias is not None and tuple(bias.shape) != (router.shape[0],):
         raise ValueError(f"moe_route: bias must be [E] = [{router.shape[0]}], got {tuple(bias.shape)}")
-    s = torch.sigmoid(h.float() @ router.float().t())
-    choice = s if bias is None else s + bias.float()
-    index = choice.topk(top_k, dim=-1).indices
-    w = s.gather(1, index)
-    return index, w / w.sum(dim=-1, keepdim=True) * scaling
+    return router_topk(h.float() @ router.float().t(), None if bias is None else bias.float(), top_k, scaling)
 
 
 _GROUP_TRITON_MAX = 4096  # pairs; the Triton grouping does O(n * (E + 64)) work per program

@@ -21,8 +21,10 @@ __all__ = ["MODEL_REGISTRY", "CausalLM", "load_gguf_model", "load_hf_model", "lo
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
-                    ckpt: GGUFCheckpoint | None = None, progress: bool = False) -> tuple[CausalLM, GGUFCheckpoint]:
-    """Read a GGUF file and build its model on the CPU.
+                    ckpt: GGUFCheckpoint | None = None, progress: bool = False,
+                    device: torch.device | str | None = None) -> tuple[CausalLM, GGUFCheckpoint]:
+    """Read a GGUF file and build its model on the CPU, or with ``device`` (CUDA) on that GPU,
+    layer by layer (see :meth:`CausalLM.to_gpu`).
 
     Returns:
         (model, checkpoint); ``model.config`` is the normalised config.
@@ -34,13 +36,15 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     config = ModelConfig.from_gguf(ckpt.metadata, set(ckpt.infos), where=str(ckpt.path))
     cls = MODEL_REGISTRY[config.arch]
     with torch.no_grad():
-        model = cls.from_gguf(ckpt, config, dtype, progress=progress)
+        model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
     return model.eval(), ckpt
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
-                  progress: bool = False) -> tuple[CausalLM, SafetensorsCheckpoint]:
-    """Read a Hugging Face model directory (``config.json`` + safetensors) and build its model on the CPU.
+                  progress: bool = False, device: torch.device | str | None = None
+                  ) -> tuple[CausalLM, SafetensorsCheckpoint]:
+    """Read a Hugging Face model directory (``config.json`` + safetensors) and build its model on the
+    CPU, or with ``device`` (CUDA) on that GPU, layer by layer.
 
     Returns:
         (model, checkpoint); ``model.config`` is the normalised config.
@@ -56,13 +60,15 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if not hasattr(cls, "from_hf"):
         raise ConfigError(f"{ckpt.path}: architecture {config.arch!r} has no safetensors loader yet")
     with torch.no_grad():
-        model = cls.from_hf(ckpt, config, dtype, progress=progress)
+        model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
     return model.eval(), ckpt
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               progress: bool = False) -> tuple[CausalLM, GGUFCheckpoint | SafetensorsCheckpoint]:
-    """Load a model from a ``.gguf`` file or a HF directory with ``config.json``.
+               progress: bool = False, device: torch.device | str | None = None
+               ) -> tuple[CausalLM, GGUFCheckpoint | SafetensorsCheckpoint]:
+    """Load a model from a ``.gguf`` file or a HF directory with ``config.json``; ``device``:
+    a CUDA device to build it on, one layer at a time (None: the CPU).
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or is a directory without ``config.json``.
@@ -72,7 +78,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: a model directory needs a config.json (Hugging Face layout)")
-        return load_hf_model(p, dtype, progress=progress)
+        return load_hf_model(p, dtype, progress=progress, device=device)
     if p.is_file():
-        return load_gguf_model(p, dtype, progress=progress)
+        return load_gguf_model(p, dtype, progress=progress, device=device)
     raise FileNotFoundError(f"{p}: no such file or directory (expected a .gguf file or a HF model directory)")

@@ -112,6 +112,29 @@ class HFWeights:
                 f"{ex[:5]}{' ...' if len(ex) > 5 else ''}")
 
 
+def on_device(module: nn.Module, device: torch.device | str | None, dtype: torch.dtype) -> nn.Module:
+    """``module`` moved with :func:`modules_to_gpu` when ``device`` is given, else as it is."""
+    if device is not None:
+        modules_to_gpu(module, torch.device(device), dtype)
+    return module
+
+
+def modules_to_gpu(root: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move every module under ``root`` to ``device`` in place: Linear / Embedding / routed
+    experts into their packed GPU forms (``to_gpu``), then the remaining buffers (norms,
+    routers, biases). Modules already on the GPU are skipped. Used by :meth:`CausalLM.to_gpu`
+    and, layer by layer, while loading with ``device=`` (so that the host never holds more
+    than one layer's dequantized weights)."""
+    for m in list(root.modules()):
+        if getattr(m, "kernel", None) == "gpu" or getattr(m, "on_gpu", False):
+            continue  # built in GPU memory already
+        if isinstance(m, (Linear, Embedding)):
+            m.to_gpu(device, dtype)
+        elif not isinstance(m, CausalLM) and hasattr(m, "to_gpu"):
+            m.to_gpu(device)
+    root.to(device)
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM skeleton.
 
@@ -160,8 +183,10 @@ class CausalLM(nn.Module):
         Linear weights keep their checkpoint format (memra/kernels/gemv.py layouts; formats
         without a decode kernel are dequantized to bf16, see ``pack_for_gpu``), routed experts
         become expert banks (memra/kernels/moe_decode.py), the embedding table is held in
-        ``dtype``; norms and routers stay fp32. Compute dtype becomes ``dtype``. Host copies of
-        the weights are released.
+        ``dtype``; norms and routers stay fp32. Plain float weights (F32/F16/BF16) are held in
+        bf16 whatever ``dtype`` is (the decode kernels' "bf16" format). Compute dtype becomes
+        ``dtype``. Host copies of the weights are released. Parts already moved (a model
+        loaded with ``device=``, or built in GPU memory) are left as they are.
 
         Raises: ValueError if ``device`` is not a CUDA device (the CPU is accepted under the
         Triton interpreter, ``TRITON_INTERPRET=1``, so that tests can run this path there).
@@ -172,14 +197,7 @@ class CausalLM(nn.Module):
         if device.type != "cuda" and not interpret_mode():
             raise ValueError(f"to_gpu: expected a CUDA device, got {device} (the CPU takes it only under "
                              f"TRITON_INTERPRET=1, for tests)")
-        for m in list(self.modules()):
-            if getattr(m, "kernel", None) == "gpu" or getattr(m, "on_gpu", False):
-                continue  # built in GPU memory already
-            if isinstance(m, (Linear, Embedding)):
-                m.to_gpu(device, dtype)
-            elif m is not self and hasattr(m, "to_gpu"):
-                m.to_gpu(device)
-        self.to(device)  # what is left: norm weights, routers, biases
+        modules_to_gpu(self, device, dtype)
         for m in self.modules():
             m.gpu = True  # forwards take their fused-kernel paths (memra/kernels)
         return self
@@ -187,10 +205,12 @@ class CausalLM(nn.Module):
     # -------------------------------------------------------------- loading
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                  progress: bool = False) -> "CausalLM":
+                  progress: bool = False, device: torch.device | str | None = None) -> "CausalLM":
         """Build the model from a GGUF checkpoint; shapes are checked against ``config``.
 
-        ``progress`` shows a tqdm bar over the layers on stderr.
+        ``progress`` shows a tqdm bar over the layers on stderr. ``device`` (a CUDA device):
+        each layer is moved there as soon as it is built (:func:`modules_to_gpu`), then the
+        model is finished with :meth:`to_gpu`.
 
         Raises:
             CheckpointError: missing tensors or shapes that contradict the config.
@@ -202,7 +222,7 @@ class CausalLM(nn.Module):
         embed = Embedding(emb_q, dtype, config.embedding_scale)
         from tqdm import tqdm
 
-        layers = [cls.build_layer(w, i, config.layers[i])
+        layers = [on_device(cls.build_layer(w, i, config.layers[i]), device, dtype)
                   for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=not progress)]
         norm = w.norm("output_norm", D, f"hidden_size={D}")
         head_q = emb_q if config.tie_word_embeddings else w.q("output.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
@@ -210,7 +230,8 @@ class CausalLM(nn.Module):
         if extra:
             raise CheckpointError(f"{ckpt.path}: unexpected tensors for {config.arch} with {config.num_layers} layers: "
                                   f"{sorted(extra)[:5]}{' ...' if len(extra) > 5 else ''}")
-        return cls(config, embed, layers, norm, Linear(head_q, None, dtype))
+        model = cls(config, embed, layers, norm, Linear(head_q, None, dtype))
+        return model if device is None else model.to_gpu(device, dtype)
 
     @classmethod
     def adjust_config(cls, ckpt: GGUFCheckpoint, config: ModelConfig) -> ModelConfig:

@@ -34,7 +34,7 @@ from ..layers.attention import attention
 from ..layers.linear import Embedding, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rope import apply_rope, rope_cos_sin
-from .base import CausalLM, HFWeights, register_model
+from .base import CausalLM, HFWeights, on_device, register_model
 
 __all__ = ["Step35ForCausalLM", "GatedAttention", "SwiGLU", "RoutedExperts", "MoE", "Step35Layer", "MTPLayer",
            "swiglu", "gguf_tensor_name", "GGUFStep35Weights"]
@@ -216,10 +216,10 @@ class MoE(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts int64 [T, k] and their weights fp32 [T, k] (sum to ``scaling`` per token)."""
-        if getattr(self, "gpu", False):  # fp32 logits by cuBLAS, then one fused kernel (memra/kernels/fused.py)
-            from ..kernels.fused import router_topk
+        if getattr(self, "gpu", False):  # fp32 logits by cuBLAS, then one fused kernel (memra/kernels/moe_decode.py)
+            from ..kernels.moe_decode import moe_route
 
-            return router_topk(h.float() @ self.router.t(), self.bias, self.top_k, self.scaling)
+            return moe_route(h, self.router, self.bias, self.top_k, self.scaling)
         s = torch.sigmoid(h.float() @ self.router.t())  # fp32 logits -> scores [T, E]
         choice = s if self.bias is None else s + self.bias
         index = choice.topk(self.top_k, dim=-1).indices
@@ -398,7 +398,7 @@ class Step35ForCausalLM(CausalLM):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_hf(cls, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                progress: bool = False) -> "Step35ForCausalLM":
+                progress: bool = False, device: torch.device | str | None = None) -> "Step35ForCausalLM":
         """Build the model from a HF safetensors directory (STEP35.md "Checkpoint layouts").
 
         Experts may be stacked (``moe.gate_proj.weight`` [E, I, D]) or per expert
@@ -410,11 +410,11 @@ class Step35ForCausalLM(CausalLM):
                 contradicts the config (the message names the config values), or tensors the
                 config does not account for.
         """
-        return cls._build(HFWeights(ckpt, config, dtype), progress)
+        return cls._build(HFWeights(ckpt, config, dtype), progress, device)
 
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                  progress: bool = False) -> "Step35ForCausalLM":
+                  progress: bool = False, device: torch.device | str | None = None) -> "Step35ForCausalLM":
         """Build the model from a llama.cpp-style ``step35`` GGUF file (STEP35.md "GGUF").
 
         Tensor names are those of :func:`gguf_tensor_name`; routed experts are 3-D banks
@@ -432,11 +432,13 @@ class Step35ForCausalLM(CausalLM):
         w = GGUFStep35Weights(ckpt, config, dtype)
         if "rope_freqs.weight" in ckpt:
             w.used.add("rope_freqs.weight")
-        return cls._build(w, progress)
+        return cls._build(w, progress, device)
 
     @classmethod
-    def _build(cls, w: HFWeights, progress: bool) -> "Step35ForCausalLM":
-        """The model from a weights source that speaks HF tensor names (HF directly, GGUF mapped)."""
+    def _build(cls, w: HFWeights, progress: bool, device: torch.device | str | None = None) -> "Step35ForCausalLM":
+        """The model from a weights source that speaks HF tensor names (HF directly, GGUF mapped);
+        with ``device`` each layer is moved to that GPU as soon as it is built (as
+        :meth:`CausalLM.from_gguf`)."""
         from tqdm import tqdm
 
         config, dtype = w.config, w.dtype
@@ -444,14 +446,15 @@ class Step35ForCausalLM(CausalLM):
         why = f"vocab_size={V}, hidden_size={D}"
         emb_q = w.q("model.embed_tokens.weight", (V, D), why)
         embed = Embedding(emb_q, dtype)
-        layers = [_load_layer(w, i, i, lc)
+        layers = [on_device(_load_layer(w, i, i, lc), device, dtype)
                   for i, lc in tqdm(list(enumerate(config.layers)), desc="loading weights", unit="layer",
                                     disable=not progress)]
-        mtp = [_load_mtp_layer(w, n + j, j, lc) for j, lc in enumerate(config.mtp_layers)]
+        mtp = [on_device(_load_mtp_layer(w, n + j, j, lc), device, dtype) for j, lc in enumerate(config.mtp_layers)]
         norm = w.norm("model.norm", D, f"hidden_size={D}")
         head_q = emb_q if config.tie_word_embeddings else w.q("lm_head.weight", (V, D), why)
         w.check_all_used()
-        return cls(config, embed, layers, norm, Linear(head_q, None, dtype), mtp).eval()
+        model = cls(config, embed, layers, norm, Linear(head_q, None, dtype), mtp).eval()
+        return model if device is None else model.to_gpu(device, dtype)
 
 
 def _load_attention(w: HFWeights, i: int, index: int, lc: LayerConfig) -> GatedAttention:

@@ -1,0 +1,266 @@
+"""Triton source of the grouped MoE prefill GEMMs (see :mod:`memra.kernels.moe_prefill` for the
+math, layouts, the pair alignment and the host wrapper). Imported only when a kernel is
+launched, so the torch references work without Triton.
+
+Three kernels:
+- ``_act_quant_kernel``: x [T, D] -> FP8 E4M3 codes [T, D] + fp32 scales [T, D/128], one
+  scale per 1x128 group (the FP8 block recipe's activation quantization);
+- ``_moe_gate_up_kernel`` (kernel A): act[pos] = swiglu(gate_e x[tok], up_e x[tok]) for a
+  row block of BM sorted pairs of one expert and BA act columns (BA gate rows + BA up rows);
+- ``_moe_down_kernel`` (kernel B): y[tok] += w[pair] * act[pos] @ W_down_e^T (fp32 atomics),
+  or out[pair] = w[pair] * act[pos] @ W_down_e^T (per-pair rows, summed over k by the host).
+"""
+
+import triton
+import triton.language as tl
+
+from ._gemv_triton import _e2m1_scaled, _ue4m3_raw
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    # program id -> (row block, column tile), GROUP_M row blocks per column sweep (L2 reuse of
+    # the weight tiles: consecutive row blocks mostly belong to one expert)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    # a [M, K] @ b [K, N] in fp32; IEEE: fp32 operands without TF32 rounding
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _to_e4m3(v, EXACT: tl.constexpr):
+    """fp32 values with |v| <= 448 -> float8e4nv, round to nearest even. EXACT: round on the E4M3
+    grid in fp32 arithmetic first (the Triton 3.6 interpreter's fp32 -> fp8 cast is wrong when
+    the rounding carries into the next binade, e.g. -126.5 -> -64); else the native cast
+    (cvt.rn.satfinite on sm_90)."""
+    if EXACT:
+        ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        ex = tl.maximum(ex, -6)  # E4M3 subnormals: spacing 2^-9
+        ulp = ((ex - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        y = v / ulp  # exact (power of two), |y| < 16
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties to even
+        v = y * ulp
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_groups(v, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 v [R, C] (C a multiple of 128) -> (E4M3 codes [R, C], fp32 scales [R, C // 128]):
+    s = max(amax of the 1x128 group, 1e-10) / 448, code = e4m3(clamp(v / s, +-448))."""
+    v3 = tl.reshape(v, [R, C // 128, 128])
+    amax = tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-10)
+    s = amax / 448.0
+    q = tl.math.div_rn(v3, s[:, :, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return tl.reshape(_to_e4m3(q, EXACT), [R, C]), s
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, stride_x, stride_q, stride_s,
+                      BT: tl.constexpr, EXACT: tl.constexpr):
+    """Rows pid0 * BT .. + BT, columns pid1 * 128 .. + 128 of x -> codes q and one scale per row."""
+    pid_t = tl.program_id(0)
+    g = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    rk = g * 128 + tl.arange(0, 128)
+    t_ok = rt < T
+    rt64 = rt.to(tl.int64)
+    x = tl.load(x_ptr + rt64[:, None] * stride_x + rk[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    q, s = _quant_groups(x, BT, 128, EXACT)
+    tl.store(q_ptr + rt64[:, None] * stride_q + rk[None, :], q, mask=t_ok[:, None])
+    tl.store(s_ptr + rt64 * stride_s + g, tl.reshape(s, [BT]), mask=t_ok)
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
+            FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, CDT: tl.constexpr,
+            F8: tl.constexpr):
+    """Weight rows rn [BN] (in range), columns k0 .. k0 + BK of one expert -> (tile [BN, BK], s [BN]).
+
+    bf16 / nvfp4 / q8_0: the dequantized values in CDT, s = 1 (nvfp4 values E2M1 * UE4M3 are exact
+    in fp16 and bf16; q8_0 code * d is rounded to CDT). fp8: the codes (E4M3 as they are with F8,
+    else converted to CDT, exact) and s = the 128x128 block scale of each row at k0 (BK divides
+    128, so one scale per row and loop step): the caller scales the product."""
+    s = tl.full([BN], 1.0, tl.float32)
+    if FMT == 2:  # nvfp4: byte i of a row = elements 2i (low nibble), 2i + 1; UE4M3 byte per 16
+        rb = k0 // 2 + tl.arange(0, BK // 2)
+        if EVEN_K:
+            b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :])
+        else:
+            b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=(rb * 2 < K)[None, :], other=0)
+        b = b.to(tl.int32)
+        lo = _e2m1_scaled(b & 15).to(tl.float32)  # E2M1 * 2^-14, exact
+        hi = _e2m1_scaled(b >> 4).to(tl.float32)
+        w3 = tl.reshape(tl.join(lo, hi), [BN, BK // 16, 16])
+        rs = k0 // 16 + tl.arange(0, BK // 16)
+        if EVEN_K:
+            sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]).to(tl.int32)
+        else:
+            sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :], mask=(rs * 16 < K)[None, :],
+                            other=0).to(tl.int32)
+        sc = _ue4m3_raw(sbyte) * 4194304.0  # 2^22: as gemv's _tile (E2M1 * 2^-14 -> E2M1 * UE4M3)
+        w = tl.reshape(w3 * sc[:, :, None], [BN, BK]).to(CDT)
+    else:
+        rk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :])
+        else:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rk < K)[None, :], other=0)
+        if FMT == 0:
+            w = w.to(CDT)
+        elif FMT == 1:
+            s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128)
+            if not F8:
+                w = w.to(CDT)
+        else:  # q8_0: fp16 d per 32 weights of a row
+            rs = k0 // 32 + tl.arange(0, BK // 32)
+            if EVEN_K:
+                d = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]).to(tl.float32)
+            else:
+                d = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :], mask=(rs * 32 < K)[None, :],
+                            other=0.0).to(tl.float32)
+            w = tl.reshape(tl.reshape(w.to(tl.float32), [BN, BK // 32, 32]) * d[:, :, None], [BN, BK]).to(CDT)
+    return w, s
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, bexp_ptr,
+                        n_pairs, topk, I, K, num_m,
+                        stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_a, stride_as,
+                        limit,
+                        FMT: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BK: tl.constexpr, U: tl.constexpr,
+                        GROUP_M: tl.constexpr, CDT: tl.constexpr, F8IN: tl.constexpr, F8OUT: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
+    """act[pos, j] = min(silu(g), limit) * clamp(u, +-limit) for the BM sorted positions pos of
+    row block pid_m (one expert e, or -1: nothing to do) and act columns j = pid_a * BA .. + BA,
+    g / u = x[pair // topk] . W_e[gate / up row of j]. W: fused bank [E, 2I, K], rows interleaved
+    in blocks of U (gate row of j: (j // U) * 2U + j % U, up row: that + U).
+    F8IN: x is E4M3 codes with fp32 scales per 1x128 group (xs), W fp8: FP8 x FP8 dots, both
+    scales applied per 128-K step. F8OUT: act written as E4M3 codes + one scale per 1x128 group
+    (BA a multiple of 128); else act in CDT."""
+    pid = tl.program_id(0)
+    num_a = tl.cdiv(I, BA)
+    pid_m, pid_a = _swizzle(pid, num_m, num_a, GROUP_M)
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= 0:
+        rm = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(ids_ptr + rm)
+        valid = pair < n_pairs
+        tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+        j = pid_a * BA + tl.arange(0, BA)
+        jc = tl.minimum(j, I - 1)  # columns past I: rows of column I - 1 (in range, never stored)
+        rg = (jc // U) * (2 * U) + jc % U
+        ru = rg + U
+        e64 = e.to(tl.int64)
+        wb = w_ptr + e64 * stride_we
+        sb = ws_ptr + e64 * stride_se
+        acc_g = tl.zeros([BM, BA], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BA], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                xm = valid[:, None]
+            else:
+                xm = valid[:, None] & (rk < K)[None, :]
+            xa = tl.load(x_ptr + tok[:, None] * stride_x + rk[None, :], mask=xm, other=0.0)
+            if not F8IN:
+                xa = xa.to(CDT)
+            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN)
+            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN)
+            pg = _mm(xa, tl.trans(wg), IEEE)
+            pu = _mm(xa, tl.trans(wu), IEEE)
+            if FMT == 1:
+                if F8IN:
+                    xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
+                    acc_g += pg * xs[:, None] * sg[None, :]
+                    acc_u += pu * xs[:, None] * su[None, :]
+                else:
+                    acc_g += pg * sg[None, :]
+                    acc_u += pu * su[None, :]
+            else:
+                acc_g += pg
+                acc_u += pu
+        a = acc_g * tl.sigmoid(acc_g)
+        if HAS_LIMIT:
+            a = tl.minimum(a, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        a = a * acc_u
+        rm64 = rm.to(tl.int64)
+        sm = valid[:, None] & (j < I)[None, :]
+        if F8OUT:
+            q, s = _quant_groups(a, BM, BA, EXACT)
+            tl.store(act_ptr + rm64[:, None] * stride_a + j[None, :], q, mask=sm)
+            rg2 = pid_a * (BA // 128) + tl.arange(0, BA // 128)
+            tl.store(as_ptr + rm64[:, None] * stride_as + rg2[None, :], s,
+                     mask=valid[:, None] & (rg2 * 128 < I)[None, :])
+        else:
+            tl.store(act_ptr + rm64[:, None] * stride_a + j[None, :], a.to(act_ptr.dtype.element_ty), mask=sm)
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_ptr,
+                     n_pairs, topk, N, K, num_m,
+                     stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+                     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     CDT: tl.constexpr, F8: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """For the BM sorted positions pos of row block pid_m (expert e; -1: nothing to do) and
+    output columns n = pid_n * BN .. + BN: v = weight[pair] * act[pos] . W_e[n]; ATOMIC: fp32
+    atomic add into y[pair // topk, n]; else stored to y[pair, n] (per-pair rows).
+    F8: act is E4M3 codes with per-1x128 scales (as_ptr), W fp8: FP8 x FP8 dots."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _swizzle(pid, num_m, num_n, GROUP_M)
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= 0:
+        rm = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(ids_ptr + rm)
+        valid = pair < n_pairs
+        rm64 = rm.to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        rnc = tl.minimum(rn, N - 1)
+        e64 = e.to(tl.int64)
+        wb = w_ptr + e64 * stride_we
+        sb = ws_ptr + e64 * stride_se
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                am = valid[:, None]
+            else:
+                am = valid[:, None] & (rk < K)[None, :]
+            a = tl.load(a_ptr + rm64[:, None] * stride_a + rk[None, :], mask=am, other=0.0)
+            if not F8:
+                a = a.to(CDT)
+            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8)
+            p = _mm(a, tl.trans(w), IEEE)
+            if FMT == 1:
+                if F8:
+                    asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
+                    acc += p * asc[:, None] * s[None, :]
+                else:
+                    acc += p * s[None, :]
+            else:
+                acc += p
+        wt = tl.load(wt_ptr + pair, mask=valid, other=0.0)
+        acc = acc * wt[:, None]
+        om = valid[:, None] & n_ok[None, :]
+        if ATOMIC:
+            tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+            tl.atomic_add(y_ptr + tok[:, None] * stride_y + rn[None, :], acc, mask=om, sem="relaxed")
+        else:
+            p64 = tl.where(valid, pair, 0).to(tl.int64)
+            tl.store(y_ptr + p64[:, None] * stride_y + rn[None, :], acc, mask=om)

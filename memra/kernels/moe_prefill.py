@@ -1,0 +1,627 @@
+"""Routed-expert (MoE) prefill: a grouped GEMM over (token, expert) pairs sorted by expert.
+
+Same math as :func:`memra.kernels.moe_decode.moe_decode` (STEP35.md "SwiGLU clamp", "combine";
+memra/models/step3p5.py ``RoutedExperts.forward``, ``swiglu``)::
+
+    y[t] = sum_j weight[t, j] * down_e(swiglu(gate_e x[t], up_e x[t], limit))  (+ add[t]),  e = index[t, j]
+    swiglu(g, u, limit) = min(silu(g), limit) * clamp(u, -limit, limit)         (limit None: silu(g) * u)
+
+for prefill chunks (T = 512..4096 tokens, top-8 of E = 288 experts, D = 4096, I = 1280 in
+Step-3.5-Flash), where each expert meets tens to ~1000 tokens and the work is tensor-core
+matmuls rather than weight-streaming GEMVs. The expert weights are the :class:`ExpertBank`
+layouts of :mod:`memra.kernels.moe_decode` (bf16, fp8 128x128 blocks, nvfp4, q8_0), read in
+their stored format and dequantized inside the kernels. The standard "sorted by expert,
+padded to BLOCK_M" scheme of vLLM's ``fused_moe`` / SGLang (ideas only, own code):
+
+1. :func:`moe_align` (torch ops on the device, no host sync): the P = T*k pairs, numbered
+   ``p = t * k + j``, are sorted by expert (ties by p); each expert's run is padded to a
+   multiple of ``block_m`` with the invalid id P. ``sorted_ids`` has the worst-case length
+   ``P_pad = num_blocks * block_m``, ``num_blocks = ceil((P + min(E, P) * (block_m - 1)) / block_m)``,
+   and ``block_expert[b]`` is the expert of row block b (-1 past the used blocks: those
+   programs exit at once). Shapes depend only on (T, k, E, block_m): CUDA-graph capturable.
+2. kernel A (gate+up, ``_moe_gate_up_kernel``), grid num_blocks x ceil(I / block_n): a program
+   gathers the x rows of its BLOCK_M pairs (token = p // k), multiplies them with block_n gate
+   rows and the block_n matching up rows of its expert (the fused bank's rows are interleaved
+   gate/up in units of ``gate_up.interleave`` rows: act column j's gate row is
+   ``(j // u) * 2u + j % u``, its up row that + u; so any block_n works, whole units or not),
+   two ``tl.dot`` per K step with fp32 accumulators, and writes ``act[pos] = swiglu(g, u, limit)``
+   for its sorted positions (act [P_pad, I]; padding rows are never written nor read).
+3. kernel B (down, ``_moe_down_kernel``), grid num_blocks x ceil(D / block_n_down): ``act[pos] @
+   W_down_e^T`` times the pair's routing weight, then the combine over k, ``combine=``:
+   - ``"atomic"`` (default): fp32 atomic adds into y32 [T, D], zeroed or initialised from
+     ``add``; the summation order of a token's k terms varies from run to run (fp32 rounding);
+   - ``"sum"``: per-pair fp32 rows [T*k, D] (each written exactly once, no zeroing), then
+     ``view(T, k, D).sum(1)`` (+ add) in torch: deterministic, 2 x T*k*D*4 extra bytes.
+   Then one cast to x's dtype.
+
+Dot operands (per format; ``CDT`` = x's dtype, bf16 on the GPU; fp32 x gives fp32 operands
+with IEEE (non-TF32) dots, exact weights):
+- bf16: the weights as they are. nvfp4: codes decoded to E2M1 * UE4M3 (exact in fp16 and bf16:
+  at most 6 significant bits, magnitudes 2^-10..2688). q8_0: code * d rounded to CDT (relative
+  error <= 2^-9 per weight in bf16, as gemv's tensor-core path).
+- fp8, ``fp8_act=False``: E4M3 codes converted to CDT (exact), the 128x128 block scale applied
+  to each 128-K step's fp32 product.
+- fp8, ``fp8_act=True`` (default for fp8 when D and I are multiples of 128): the FP8 block
+  recipe of DeepSeek-V3 (technical report, arXiv 2412.19437, "FP8 training": fine-grained
+  quantization, 1x128 activation tiles and 128x128 weight blocks, fp32 promotion every 128 K):
+  x is quantized to E4M3 per 1x128 group with an fp32 scale ``s = max(amax, 1e-10) / 448``
+  (``_act_quant_kernel``), kernel A's epilogue quantizes act the same way (block_n a multiple
+  of 128), and both GEMMs ``tl.dot`` E4M3 x E4M3 on Hopper FP8 tensor cores, one product per
+  128-K step (block_k divides 128) scaled by the activation scale of the row and the weight
+  block scale of the column, accumulated in fp32. Activation quantization costs ~2-3 % relative
+  error per GEMM (3 mantissa bits); :func:`moe_prefill_ref` with ``fp8_act=True`` emulates it
+  exactly (same groups, same rounding), for tight tests.
+
+Verified on the CPU under the Triton interpreter only (tests/test_kernels_moe_prefill.py), plus
+an sm_90 compile of the default configurations without a GPU (:func:`sm90_compile_report`:
+wgmma, cp.async pipelining, no spills at T = 4096). GPU correctness at the flagship shape,
+CUDA-graph capture and speed are NOT yet measured (tests marked ``gpu``,
+:func:`benchmark_moe_prefill`), and :func:`default_prefill_config` is untuned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .gemv import interpret_mode
+from .moe_decode import ExpertBank, _check_moe_args, _deinterleave, dequantize_expert
+
+__all__ = [
+    "MoePrefillConfig",
+    "default_prefill_config",
+    "moe_align",
+    "moe_prefill",
+    "moe_prefill_ref",
+    "quantize_act_fp8_ref",
+    "align_sizes",
+    "sm90_compile_report",
+    "benchmark_moe_prefill",
+]
+
+_FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2, "q8_0": 3}
+_BK_UNIT = {"bf16": 16, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # block_k multiple of (scale groups)
+FP8_MAX = 448.0
+
+
+# ---------------------------------------------------------------------------------------
+# pair alignment
+
+
+def align_sizes(n_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(P_pad, num_blocks) of :func:`moe_align`: the worst case over all routings of n_pairs
+    pairs onto num_experts experts (at most min(E, n_pairs) experts are non-empty, each wasting
+    at most block_m - 1 padding rows)."""
+    nb = -(-(n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m)
+    return nb * block_m, nb
+
+
+def moe_align(index: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorts the (token, expert) pairs by expert and pads each expert's run to whole row blocks.
+
+    Args:
+        index: int64 [T, k], values in 0..E-1 (not checked: out-of-range values are undefined
+            behaviour, as in the kernels), any device.
+        num_experts: E.
+        block_m: rows per block (>= 1).
+
+    Returns:
+        sorted_ids int32 [P_pad]: pair numbers ``p = t * k + j`` grouped by expert in increasing
+            expert order, ties by p; each expert's run starts at a multiple of block_m and is
+            followed by padding entries equal to P = T*k up to the next multiple; the tail after
+            the last used block is P too.
+        block_expert int32 [num_blocks]: the expert of each row block; -1 for the blocks past
+            the used ones.
+        num_blocks_used int32 [1] (a device tensor: no host sync).
+    with (P_pad, num_blocks) = :func:`align_sizes` (shapes independent of the routing values).
+    About 15 small torch kernels (sort, scatters, cumsums, searchsorted); no host syncs, so
+    CUDA-graph capturable.
+
+    Raises: ValueError for a non-2-D / non-integer index, E < 1 or block_m < 1.
+    """
+    if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"moe_align: index must be int64/int32 [T, k], got {getattr(index, 'dtype', None)} "
+                         f"{tuple(getattr(index, 'shape', ()))}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"moe_align: num_experts = {num_experts} and block_m = {block_m} must be >= 1")
+    dev = index.device
+    n = index.numel()
+    p_pad, nb = align_sizes(n, num_experts, block_m)
+    flat = index.reshape(-1).to(torch.int64)
+    ar = torch.arange(n, device=dev, dtype=torch.int64)
+    key, order = torch.sort(flat * n + ar)  # distinct keys: the stable sort by expert
+    se = key // n  # expert of each sorted pair
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    dest = pad_start[se] + (ar - cnt_start[se])
+    sorted_ids = torch.full((p_pad,), n, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(nb, device=dev, dtype=torch.int64) * block_m
+    be = torch.searchsorted(pad_end, starts, right=True)  # first expert whose padded run ends past the start
+    block_expert = torch.where(be < num_experts, be, torch.full_like(be, -1)).to(torch.int32)
+    used = (pad_end[-1:] // block_m).to(torch.int32)
+    return sorted_ids, block_expert, used
+
+
+# ---------------------------------------------------------------------------------------
+# references
+
+
+def quantize_act_fp8_ref(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-1x128-group E4M3 quantization of activations (the FP8 block recipe, DeepSeek-V3
+    report), the torch twin of the kernels' ``_quant_groups``.
+
+    Args: v float [R, C], C a multiple of 128 (used in fp32).
+    Returns: (codes float8_e4m3fn [R, C], scales fp32 [R, C // 128]) with
+        ``s = max(amax of the group, 1e-10) / 448`` and ``code = e4m3_rne(clamp(v / s, -448, 448))``;
+        ``codes.float() * s`` (broadcast per group) dequantizes.
+    Raises: ValueError if C is not a multiple of 128.
+    """
+    if v.dim() != 2 or v.shape[1] % 128:
+        raise ValueError(f"quantize_act_fp8_ref: expected [R, C] with C a multiple of 128, got {tuple(v.shape)}")
+    r, c = v.shape
+    g = v.float().reshape(r, c // 128, 128)
+    s = g.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
+    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(r, c), s
+
+
+def _fp8_roundtrip(v: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_act_fp8_ref(v)
+    r, c = v.shape
+    return (q.float().reshape(r, c // 128, 128) * s[..., None]).reshape(r, c)
+
+
+def moe_prefill_ref(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
+                    down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
+                    config: "MoePrefillConfig | None" = None, fp8_act: bool = False) -> torch.Tensor:
+    """Plain torch twin of :func:`moe_prefill`, in fp32 (host loop over the chosen experts, syncs).
+
+    Default (``fp8_act=False``): exactly :func:`memra.kernels.moe_decode.moe_decode_ref` (fp32
+    dequantized weights, fp32 products) plus ``add``. ``fp8_act=True`` with an fp8 bank emulates
+    the kernels' FP8 block recipe: x (for an fp8 gate_up bank) and act (for an fp8 down bank)
+    are quantized per 1x128 group by :func:`quantize_act_fp8_ref` and dequantized before their
+    fp32 GEMM. ``config`` is accepted for signature parity and ignored.
+
+    Returns: y [T, D] in x.dtype. Raises: ValueError as :func:`moe_prefill`.
+    """
+    _check_moe_args(x, index, weight, gate_up, down, "moe_prefill_ref")
+    from ..models.step3p5 import swiglu
+
+    t, d = x.shape
+    if add is not None and tuple(add.shape) != (t, d):
+        raise ValueError(f"moe_prefill_ref: add must be [{t}, {d}], got {tuple(add.shape)}")
+    xf = x.float()
+    if fp8_act and gate_up.fmt == "fp8":
+        xf = _fp8_roundtrip(xf)
+    y = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    for e in torch.unique(index).tolist():
+        rows, slot = (index == e).nonzero(as_tuple=True)
+        h = xf[rows] @ dequantize_expert(gate_up, e).T
+        g, u = _deinterleave(h, gate_up.interleave)
+        a = swiglu(g, u, limit)
+        if fp8_act and down.fmt == "fp8":
+            a = _fp8_roundtrip(a)
+        y[rows] += (a @ dequantize_expert(down, e).T) * weight[rows, slot, None].float()
+    if add is not None:
+        y += add.float()
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# launch configuration
+
+
+@dataclass(frozen=True)
+class MoePrefillConfig:
+    """Launch parameters of the two grouped GEMMs.
+
+    block_m: pair rows per row block (both kernels; :func:`moe_align`'s padding unit; >= 16).
+    block_n: act columns per kernel-A program (it reads block_n gate + block_n up rows);
+        a multiple of 128 for the fp8 recipe (whole activation quantization groups).
+    block_k: K (= D) step of kernel A. block_n_down / block_k_down: D rows per kernel-B program
+        and its K (= I) step (None: block_n / block_k).
+    All blocks powers of two >= 16; block_k a multiple of 32 for q8_0; fp8: block_k(_down)
+    divides 128 (one weight-scale block per step).
+    num_warps, num_stages: both kernels. group_m: row blocks per column sweep (L2 reuse).
+    fp8_act: fp8 banks use the FP8 block recipe (E4M3 x E4M3 dots, activations quantized per
+        1x128 group); False: E4M3 codes converted to x's dtype (exact weights, no activation
+        rounding beyond x's dtype). Ignored for other formats.
+    combine: "atomic" (fp32 atomics into [T, D]) or "sum" (per-pair rows, deterministic sum).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    block_n_down: int | None = None
+    block_k_down: int | None = None
+    fp8_act: bool = True
+    combine: str = "atomic"
+
+
+def default_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int = 1280,
+                           d: int = 4096) -> MoePrefillConfig:
+    """UNTUNED Hopper defaults (to be replaced by an H200 tuning table): block_m from the mean
+    rows per expert (16 / 32 / 64 / 128, to bound the padding of a few hundred tokens over 288
+    experts), block_k 128 (K steps of one fp8 scale block), kernel A 64 act columns (128 weight
+    rows), kernel B 128 x 128, 4 warps, 3 stages; the fp8 recipe (when D and I are multiples of
+    128) with kernel A at 128 act columns (its act quantization needs whole 128-groups), block_k
+    64, block_m <= 64, 8 warps, 4 stages. Checked only by :func:`sm90_compile_report` (CPU, Triton 3.6, sm_90):
+    at T = 4096 (block_m 64) every kernel uses wgmma and cp.async pipelining without spills
+    (fp8 kernel A at block_k 128 spilled 16 bytes; at block_m 128, 888). Blocks are shrunk for
+    tiny shapes (tests) so that they do not exceed D or I."""
+    if fmt not in _FMT_ID:
+        raise ValueError(f"default_prefill_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
+    mean = t * topk / max(1, min(e, t * topk))
+    bm = 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 128 else 128
+    fp8_act = fmt == "fp8" and d % 128 == 0 and i % 128 == 0
+    if fp8_act:
+        bm = min(bm, 64)
+    bn = 128 if fp8_act else 64
+    warps = 8 if (fp8_act or bm >= 128) else 4
+
+    def fit(b: int, lim: int) -> int:
+        while b > 16 and b > lim:
+            b //= 2
+        return b
+
+    bk = fit(64 if fp8_act else 128, d)  # fp8 recipe kernel A: block_k 128 spills 16 B at 255 registers
+    bk2 = fit(128, i)
+    if fmt == "q8_0":
+        bk, bk2 = max(bk, 32), max(bk2, 32)
+    return MoePrefillConfig(block_m=bm, block_n=bn if fp8_act else fit(bn, i), block_k=bk, num_warps=warps,
+                            num_stages=4 if fp8_act else 3, group_m=8, block_n_down=fit(128, d), block_k_down=bk2,
+                            fp8_act=fp8_act)
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: bool) -> tuple[int, int]:
+    bn2 = cfg.block_n_down or cfg.block_n
+    bk2 = cfg.block_k_down or cfg.block_k
+    for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n), ("block_k", cfg.block_k),
+                    ("block_n_down", bn2), ("block_k_down", bk2)):
+        if not _pow2(v) or v < 16:
+            raise ValueError(f"moe_prefill: {name} = {v} must be a power of two >= 16")
+    for bank, bk, what in ((gate_up, cfg.block_k, "block_k"), (down, bk2, "block_k_down")):
+        if bk % _BK_UNIT[bank.fmt] or (bank.fmt == "fp8" and 128 % bk):
+            raise ValueError(f"moe_prefill: {what} = {bk} for {bank.fmt} must be a multiple of "
+                             f"{_BK_UNIT[bank.fmt]}" + (" and divide 128" if bank.fmt == "fp8" else ""))
+    if cfg.combine not in ("atomic", "sum") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"moe_prefill: invalid config {cfg}")
+    if f8 and cfg.block_n % 128:
+        raise ValueError(f"moe_prefill: the fp8 recipe quantizes act in 1x128 groups inside kernel A: block_n = "
+                         f"{cfg.block_n} must be a multiple of 128 (or fp8_act=False)")
+    return bn2, bk2
+
+
+_CDT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
+                down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
+                config: MoePrefillConfig | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer for many tokens (module docstring): grouped GEMMs over the
+    (token, expert) pairs sorted by expert, weights dequantized inside the kernels.
+
+    Args:
+        x: [T, D] bf16 (GPU; fp16 / fp32 also accepted: the dot operands are in x's dtype,
+            fp32 with IEEE dots; on the CPU interpreter use fp16 / fp32, its bf16 dot is wrong).
+        index: int64 [T, k] experts of each token (distinct within a row, as top-k gives).
+        weight: float [T, k] routing weights (used in fp32).
+        gate_up: fused bank [E, 2I, D] from :func:`memra.kernels.moe_decode.fuse_gate_up`;
+        down: bank [E, D, I]; same device as x.
+        limit: SwiGLU clamp (None: no clamp).
+        add: optional [T, D] tensor added to the result (e.g. the shared expert's output; not
+            modified).
+        config: launch parameters (default :func:`default_prefill_config`).
+
+    Returns: y [T, D] in x.dtype. No host syncs; every shape depends only on (T, k, E, D, I,
+    config), so moe_align + both kernels can be captured in a CUDA graph (scratch from the
+    caching allocator).
+
+    Raises: ValueError on shape / dtype / device mismatches (as moe_decode) or an invalid
+    config (non-power-of-two blocks, block_k not fitting the format's scale groups, the fp8
+    recipe with block_n not a multiple of 128 or D, I not multiples of 128).
+    """
+    _check_moe_args(x, index, weight, gate_up, down, "moe_prefill")
+    t, d = x.shape
+    topk = index.shape[1]
+    e, i = gate_up.e, gate_up.n // 2
+    if add is not None and (tuple(add.shape) != (t, d) or add.device != x.device):
+        raise ValueError(f"moe_prefill: add must be [{t}, {d}] on {x.device}, got {tuple(add.shape)} on "
+                         f"{add.device}")
+    cfg = config or default_prefill_config(gate_up.fmt, t, topk, e, i, d)
+    f8in = cfg.fp8_act and gate_up.fmt == "fp8"
+    f8dn = cfg.fp8_act and down.fmt == "fp8"
+    if (f8in or f8dn) and (d % 128 or i % 128):
+        raise ValueError(f"moe_prefill: the fp8 recipe needs D = {d} and I = {i} multiples of 128 (or fp8_act=False)")
+    bn2, bk2 = _validate(cfg, gate_up, down, f8dn)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dev = x.device
+    n = t * topk
+    bm = cfg.block_m
+    ids, bexp, _ = moe_align(index, e, bm)
+    p_pad = ids.shape[0]
+    num_m = bexp.shape[0]
+    wflat = weight.reshape(-1).float().contiguous()
+    cdt = x.dtype
+    ieee = cdt == torch.float32
+    exact = interpret_mode()
+    import triton.language as tl
+
+    from ._moe_prefill_triton import _act_quant_kernel, _moe_down_kernel, _moe_gate_up_kernel
+
+    tl_cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[cdt]
+
+    # x operand: E4M3 codes + scales (fp8 recipe) or x itself
+    if f8in:
+        xq = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=dev)
+        xs = torch.empty(t, d // 128, dtype=torch.float32, device=dev)
+        bt = 16
+        _act_quant_kernel[(-(-t // bt), d // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
+                                                  BT=bt, EXACT=exact, num_warps=4)
+        xa, xsa, sxs = xq, xs, xs.stride(0)
+    else:
+        xa, xsa, sxs = x, x, 0
+
+    # act scratch: E4M3 codes + per-1x128 scales for the fp8 down recipe, else x's dtype
+    if f8dn:
+        act = torch.empty(p_pad, i, dtype=torch.float8_e4m3fn, device=dev)
+        act_s = torch.empty(p_pad, i // 128, dtype=torch.float32, device=dev)
+        sas = act_s.stride(0)
+    else:
+        act = torch.empty(p_pad, i, dtype=cdt, device=dev)
+        act_s, sas = act, 0
+
+    def wargs(b: ExpertBank):
+        sc = b.scale if b.scale is not None else b.data
+        return sc, b.data.stride(0), b.data.stride(1), sc.stride(0), sc.stride(1)
+
+    sc, swe, swn, sse, ssn = wargs(gate_up)
+    bn = cfg.block_n
+    grid_a = (num_m * -(-i // bn),)
+    _moe_gate_up_kernel[grid_a](
+        xa, xsa, gate_up.data, sc, act, act_s, ids, bexp,
+        n, topk, i, d, num_m,
+        xa.stride(0), sxs, swe, swn, sse, ssn, act.stride(0), sas,
+        float(limit) if limit is not None else 0.0,
+        FMT=_FMT_ID[gate_up.fmt], BM=bm, BA=bn, BK=cfg.block_k, U=gate_up.interleave, GROUP_M=cfg.group_m,
+        CDT=tl_cdt, F8IN=f8in, F8OUT=f8dn, HAS_LIMIT=limit is not None, EVEN_K=(d % cfg.block_k == 0),
+        IEEE=ieee and not f8in, EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    atomic = cfg.combine == "atomic"
+    if atomic:
+        if add is None:
+            y32 = torch.zeros(t, d, dtype=torch.float32, device=dev)
+        else:
+            y32 = add.to(torch.float32, copy=True)
+            if not y32.is_contiguous():
+                y32 = y32.contiguous()
+        out = y32
+    else:
+        out = torch.empty(n, d, dtype=torch.float32, device=dev)
+    sc, swe, swn, sse, ssn = wargs(down)
+    grid_b = (num_m * -(-d // bn2),)
+    _moe_down_kernel[grid_b](
+        act, act_s, down.data, sc, out, ids, bexp, wflat,
+        n, topk, d, i, num_m,
+        act.stride(0), sas, swe, swn, sse, ssn, out.stride(0),
+        FMT=_FMT_ID[down.fmt], BM=bm, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=tl_cdt, F8=f8dn, ATOMIC=atomic,
+        EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not atomic:
+        y32 = out.view(t, topk, d).sum(1)
+        if add is not None:
+            y32 += add.float()
+    return y32 if cdt == torch.float32 else y32.to(cdt)
+
+
+# ---------------------------------------------------------------------------------------
+# compile-only check for the H200 (no GPU needed)
+
+
+def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None, topk: int = 8, e: int = 288,
+                        d: int = 4096, i: int = 1280, x_dtype: str = "bf16") -> dict:
+    """Compiles both kernels for sm_90 (Hopper) on any machine (Triton's bundled ptxas; no GPU)
+    with the argument specializations a real launch at this shape gets (16-byte-aligned
+    pointers, ints divisible by 16 marked so), and reports per kernel: ``regs``, ``stack``
+    (bytes of local memory per thread: > 0 means register spills), ``smem`` (bytes),
+    ``wgmma`` / ``cp_async`` (whether the PTX uses Hopper warp-group MMAs and asynchronous
+    copies, i.e. whether Triton pipelined the K loop). For screening tile configurations
+    before spending GPU time; it says nothing about speed.
+
+    Needs ``TRITON_INTERPRET`` unset when memra.kernels._moe_prefill_triton was imported (the
+    interpreter replaces the JIT functions). Uses Triton internals (``ASTSource``, ``GPUTarget``,
+    the bundled ``cuobjdump``) as of Triton 3.6.
+
+    Raises: ValueError for an invalid config or under the interpreter; RuntimeError if the
+    compile fails (the message is Triton's).
+    """
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import _moe_prefill_triton as K
+
+    if not hasattr(K._moe_gate_up_kernel, "arg_names") or interpret_mode():
+        raise ValueError("sm90_compile_report: the kernels were imported under TRITON_INTERPRET=1; run it in a "
+                         "process without the interpreter")
+    cfg = config or default_prefill_config(fmt, t, topk, e, i, d)
+    f8 = cfg.fp8_act and fmt == "fp8"
+    bn2 = cfg.block_n_down or cfg.block_n
+    bk2 = cfg.block_k_down or cfg.block_k
+    n = t * topk
+    _, nb = align_sizes(n, e, cfg.block_m)
+    wptr, sptr = {"bf16": ("*bf16", None), "fp8": ("*fp8e4nv", "*fp32"), "nvfp4": ("*u8", "*u8"),
+                  "q8_0": ("*i8", "*fp16")}[fmt]
+    sptr = sptr or wptr
+    cdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x_dtype]
+    xp = "*fp8e4nv" if f8 else f"*{x_dtype}"
+
+    def strides(rows: int, cols: int) -> tuple[int, int, int, int]:
+        per_row = {"bf16": cols, "fp8": cols, "nvfp4": cols // 2, "q8_0": cols}[fmt]
+        srow = {"bf16": per_row, "fp8": -(-cols // 128), "nvfp4": cols // 16, "q8_0": cols // 32}[fmt]
+        srows = -(-rows // 128) if fmt == "fp8" else rows
+        return rows * per_row, per_row, srows * srow, srow
+
+    we, wn, se, sn = strides(2 * i, d)
+    a_sig = dict(x_ptr=xp, xs_ptr="*fp32" if f8 else xp, w_ptr=wptr, ws_ptr=sptr, act_ptr=xp,
+                 as_ptr="*fp32" if f8 else xp, ids_ptr="*i32", bexp_ptr="*i32")
+    a_int = dict(n_pairs=n, topk=topk, I=i, K=d, num_m=nb, stride_x=d, stride_xs=d // 128 if f8 else 0,
+                 stride_we=we, stride_wn=wn, stride_se=se, stride_sn=sn, stride_a=i,
+                 stride_as=i // 128 if f8 else 0)
+    a_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BA=cfg.block_n, BK=cfg.block_k, U=128 if fmt == "fp8" else 16,
+                   GROUP_M=cfg.group_m, CDT=cdt, F8IN=f8, F8OUT=f8, HAS_LIMIT=True, EVEN_K=d % cfg.block_k == 0,
+                   IEEE=x_dtype == "fp32" and not f8, EXACT=False)
+    we, wn, se, sn = strides(d, i)
+    b_sig = dict(a_ptr=xp, as_ptr="*fp32" if f8 else xp, w_ptr=wptr, ws_ptr=sptr, y_ptr="*fp32", ids_ptr="*i32",
+                 bexp_ptr="*i32", wt_ptr="*fp32")
+    b_int = dict(n_pairs=n, topk=topk, N=d, K=i, num_m=nb, stride_a=i, stride_as=i // 128 if f8 else 0,
+                 stride_we=we, stride_wn=wn, stride_se=se, stride_sn=sn, stride_y=d)
+    b_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=cdt, F8=f8,
+                   ATOMIC=cfg.combine == "atomic", EVEN_K=i % bk2 == 0, IEEE=x_dtype == "fp32" and not f8)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    out = {}
+    for name, fn, ptrs, ints, const in (("gate_up", K._moe_gate_up_kernel, a_sig, a_int, a_const),
+                                        ("down", K._moe_down_kernel, b_sig, b_int, b_const)):
+        sig, attrs = {}, {}
+        for idx, arg in enumerate(fn.arg_names):
+            if arg in ptrs:
+                sig[arg] = ptrs[arg]
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+            elif arg in ints:
+                sig[arg] = "i32"
+                if ints[arg] % 16 == 0:
+                    attrs[(idx,)] = [["tt.divisibility", 16]]
+            elif arg in const:
+                sig[arg] = "constexpr"
+            else:  # limit
+                sig[arg] = "fp32"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        except Exception as exc:  # noqa: BLE001 - Triton raises several types
+            raise RuntimeError(f"sm90_compile_report: {name} kernel failed to compile for {fmt}, {cfg}: {exc}") from exc
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        try:
+            res = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                                 capture_output=True, text=True, check=False).stdout
+        finally:
+            os.unlink(f.name)
+        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        ptx = k.asm["ptx"]
+        out[name] = dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
+                         smem=int(k.metadata.shared), wgmma="wgmma" in ptx, cp_async="cp.async" in ptx)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# timing on the GPU (for the next tuning session; not used by the engine)
+
+
+def benchmark_moe_prefill(fmt: str, t: int, config: MoePrefillConfig | None = None, routing: str = "uniform",
+                          reps: int = 20, seed: int = 0, check: bool = True, e: int = 288, topk: int = 8,
+                          d: int = 4096, i: int = 1280) -> dict:
+    """Times :func:`moe_prefill` (CUDA graph of moe_align + both kernels, bf16 x, limit 7) at
+    the given shape on random banks (memra.bench.moe_census.random_moe) and reports a JSON-able
+    dict: config, active experts, max / mean rows per active expert, padding ratio (P_pad used /
+    P), ``us`` per call, TFLOP/s (2 * P * D * 3I), the bytes floor (active experts' weights + x
+    + act written and read + fp32 output), and the per-call roofline
+    ``max(flops / matmul_tflops, bytes / copy_tbs)`` from ceilings measured in the same run
+    (bf16 ``torch.mm`` 8192^3, or ``torch._scaled_mm`` FP8 for the fp8 recipe, and a device
+    copy), ``pct_roofline``; with ``check``, the relative error vs :func:`moe_prefill_ref`.
+
+    ``routing``: "uniform" (random top-k) or "skewed" (half the tokens choose expert 0).
+    Raises: RuntimeError without CUDA.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("benchmark_moe_prefill needs a CUDA GPU")
+    from ..bench.moe_census import random_moe, random_routing
+
+    dev = torch.device("cuda")
+    gu, dn, gen = random_moe(fmt, dev, seed=seed, e=e, d=d, i=i)
+    index, weight = random_routing(t, e, topk, "cuda", gen)
+    if routing == "skewed":
+        h = t // 2
+        rest = torch.rand(h, e - 1, device=dev, generator=gen).argsort(dim=1)[:, : topk - 1] + 1
+        index[:h] = torch.cat([torch.zeros(h, 1, dtype=torch.int64, device=dev), rest], dim=1)
+    x = (torch.randn(t, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    cfg = config or default_prefill_config(fmt, t, topk, e, i, d)
+    out = {"fmt": fmt, "t": t, "routing": routing, "config": cfg.__dict__.copy()}
+    counts = torch.bincount(index.reshape(-1), minlength=e)
+    active = counts[counts > 0]
+    p = t * topk
+    used = int((-(-active // cfg.block_m)).sum()) * cfg.block_m
+    out.update(active=int(active.numel()), max_rows=int(active.max()), mean_rows=float(active.float().mean()),
+               padding_ratio=used / p)
+
+    def run():
+        return moe_prefill(x, index, weight, gu, dn, 7.0, config=cfg)
+
+    y = run()
+    torch.cuda.synchronize()
+    if check:
+        r = moe_prefill_ref(x.float(), index, weight, gu, dn, 7.0, fp8_act=cfg.fp8_act)
+        out["rel_err"] = float((y.float() - r).abs().max() / r.abs().max())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+
+    def timed(fn, n) -> float:
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) * 1e3 / n  # µs
+
+    us = timed(g.replay, reps)
+    flops = 2.0 * p * d * 3 * i
+    act_bytes = 1 if (cfg.fp8_act and fmt == "fp8") else 2
+    nbytes = (active.numel() * (gu.expert_nbytes + dn.expert_nbytes) + t * d * 2 + 2 * used * i * act_bytes
+              + t * d * 4 * 2)
+    m = 8192
+    ma = torch.randn(m, m, device=dev).to(torch.bfloat16)
+    if cfg.fp8_act and fmt == "fp8":
+        a8 = ma.to(torch.float8_e4m3fn)
+        b8 = ma.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev)
+        mm_us = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 10)
+    else:
+        mm_us = timed(lambda: ma @ ma, 10)
+    tflops_ceiling = 2.0 * m**3 / mm_us / 1e6
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    buf2 = torch.empty_like(buf)
+    copy_tbs = 2.0 * buf.numel() / timed(lambda: buf2.copy_(buf), 10) / 1e6
+    del ma, buf, buf2
+    roof_us = max(flops / tflops_ceiling / 1e6, nbytes / copy_tbs / 1e6)
+    out.update(us=us, tflops=flops / us / 1e6, bytes=nbytes, matmul_tflops_ceiling=tflops_ceiling,
+               copy_tbs=copy_tbs, roofline_us=roof_us, pct_roofline=100.0 * roof_us / us)
+    del g
+    return out
