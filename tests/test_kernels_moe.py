@@ -31,34 +31,25 @@ from memra.kernels.moe_decode import (  # noqa: E402
     moe_route,
     pack_expert_bank,
 )
-from memra.quant.dequant import quantize_nvfp4, quantize_q8_0  # noqa: E402
+from memra.quant.dequant import quantize_q8_0  # noqa: E402
 from memra.quant.fp8 import quantize_fp8_block  # noqa: E402
 from memra.quant.tensor import QTensor  # noqa: E402
 from memra.quant.types import QType  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from moe_banks import banks, source  # noqa: E402
+
 E, D = 8, 128
 FORMATS = ("nvfp4", "bf16", "fp8", "q8_0")
 
 
 def _source(fmt: str, w: torch.Tensor):
-    """w fp32 [E, N, K] in the checkpoint container of ``fmt``."""
-    e, n, k = w.shape
-    if fmt == "bf16":
-        return w
-    if fmt == "fp8":
-        return quantize_fp8_block(w, name="w")
-    if fmt == "q8_0":
-        return QTensor("w", QType.Q8_0, (e, n, k), quantize_q8_0(w.reshape(e * n, k)).reshape(e * n, -1))
-    return QTensor("w", QType.NVFP4, (e, n, k), quantize_nvfp4(w.reshape(e * n, k)).reshape(e * n, -1))
+    return source(fmt, w)
 
 
 def _banks(fmt: str, i: int, d: int = D, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    srcs = [_source(fmt, torch.randn(E, n, k, generator=g) * 0.3) for n, k in ((i, d), (i, d), (d, i))]
-    gate, up, down = (pack_expert_bank(s) for s in srcs)
-    return fuse_gate_up(gate, up), down, srcs
+    return banks(fmt, i, d, seed, E)
 
 
 def _i(fmt: str) -> int:

@@ -98,6 +98,11 @@ _GS = {"bf16": 8, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # weights per inner group
 MAX_T = 16
 
 
+def packed_nbytes(data: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """Bytes of a packed weight: codes (or values) plus scales."""
+    return data.numel() * data.element_size() + (0 if scale is None else scale.numel() * scale.element_size())
+
+
 def check_layout(owner: str, what_for: str, fmt: str, parts) -> None:
     """Checks (name, tensor, dtype, shape) ``parts`` of a packed weight: each a contiguous tensor
     of that dtype and shape, or None where the dtype is None (no scale).
@@ -163,10 +168,7 @@ class DecodeWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the kernel reads for the whole weight (codes + scales)."""
-        b = self.data.numel() * self.data.element_size()
-        if self.scale is not None:
-            b += self.scale.numel() * self.scale.element_size()
-        return b
+        return packed_nbytes(self.data, self.scale)
 
     @property
     def device(self) -> torch.device:

@@ -51,7 +51,7 @@ from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 from ..quant.types import QType
 from . import gemv
-from .gemv import FORMATS, DecodeWeight, check_layout, dequantize_packed, interpret_mode
+from .gemv import FORMATS, DecodeWeight, check_layout, dequantize_packed, interpret_mode, packed_nbytes
 
 __all__ = [
     "ExpertBank",
@@ -135,10 +135,7 @@ class ExpertBank:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole bank (codes + scales)."""
-        b = self.data.numel() * self.data.element_size()
-        if self.scale is not None:
-            b += self.scale.numel() * self.scale.element_size()
-        return b
+        return packed_nbytes(self.data, self.scale)
 
     @property
     def expert_nbytes(self) -> int:
