@@ -364,3 +364,25 @@ def test_engine_loads_a_step35_gguf_to_the_gpu(tmp_path):
     c = [o.outputs[0].token_ids for o in cpu.generate(prompts, sp)]
     for a, b in zip(g, c):  # a bf16 near-tie may flip a later token of this random model
         assert a[:4] == b[:4], (a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
+def test_long_prefill_takes_the_grouped_moe_gemm_under_interpreter(monkeypatch):
+    """A prefill chunk wider than MOE_DECODE_MAX_T goes through moe_prefill; logits match the CPU."""
+    import memra.models.step3p5 as s35
+
+    monkeypatch.setattr(s35, "MOE_DECODE_MAX_T", 4)  # a 9-token prefill then takes the grouped GEMM
+    calls = []
+    import memra.kernels.moe_prefill as mp
+
+    real = mp.moe_prefill
+    monkeypatch.setattr(mp, "moe_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    ref_model = build_model(_SMALL, seed=4, expert_format="q8_0")
+    model = copy.deepcopy(ref_model).to_gpu("cpu", torch.float32)
+    ids = [7, 300, 12, 9, 401, 33, 250, 5, 77, 3]
+    ref = _ref_logits(ref_model, ids)
+    got = _paged_run(model, ids, n_prefill=9, device="cpu")
+    assert calls and calls[0] == 9
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 1e-3, f"relative error {err:.2e}"
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

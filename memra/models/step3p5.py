@@ -107,6 +107,9 @@ class SwiGLU(nn.Module):
         return self.down(swiglu(gate, up, self.limit))
 
 
+MOE_DECODE_MAX_T = 64  # GPU: up to this many tokens through moe_decode, more through moe_prefill
+
+
 class RoutedExperts(nn.Module):
     """``E`` SwiGLU experts applied to the tokens routed to them.
 
@@ -120,6 +123,8 @@ class RoutedExperts(nn.Module):
     forward(x [T, D], index int64 [T, k], weight fp32 [T, k]) -> [T, D]: a loop over the
     experts that were chosen at least once; each one's weights are used once per call, on
     all of its tokens. ``tokens_per_expert`` (int64 [E]) holds the counts of the last call.
+    On the GPU (:meth:`to_gpu`): memra/kernels/moe_decode.py for T <= 64 (decode), the grouped
+    GEMM of memra/kernels/moe_prefill.py above (prefill chunks); no routing counts.
     """
 
     def __init__(self, gate, up, down, limit: float | None, dtype: torch.dtype):
@@ -180,10 +185,14 @@ class RoutedExperts(nn.Module):
                 add: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
         if self.on_gpu:
-            from ..kernels.moe_decode import moe_decode
-
             # no routing counts here: they would cost two launches per layer per step
-            return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
+            if x.shape[0] <= MOE_DECODE_MAX_T:
+                from ..kernels.moe_decode import moe_decode
+
+                return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
+            from ..kernels.moe_prefill import moe_prefill  # grouped tensor-core GEMM for prefill chunks
+
+            return moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
         self.tokens_per_expert = counts
