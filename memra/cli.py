@@ -362,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decode_args(bde)
     bde.set_defaults(func=run_decode)
+    bmg = bsub.add_parser("moe-grouped", help="prefill grouped MoE GEMM rate probe on a CUDA GPU (seeds' "
+                          "moe-sk-repro): skewed/uniform routing, per-projection time, TFLOP/s, % of roofline",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.moe_grouped import add_moe_grouped_args
+    from .bench.moe_grouped import run_from_args as run_moe_grouped
+
+    add_moe_grouped_args(bmg)
+    bmg.set_defaults(func=run_moe_grouped)
     bs = bsub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.serve import add_serve_args

@@ -333,6 +333,23 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
     config (non-power-of-two blocks, block_k not fitting the format's scale groups, the fp8
     recipe with block_n not a multiple of 128 or D, I not multiples of 128).
     """
+    p = prefill_launches(x, index, weight, gate_up, down, limit, add, config)
+    p["gate_up"]()
+    p["down"]()
+    return p["out"]
+
+
+def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
+                     down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
+                     config: MoePrefillConfig | None = None) -> dict:
+    """:func:`moe_prefill` as separately callable launches (what it runs, and what
+    ``memra bench moe-grouped`` times per projection). Arguments and errors as :func:`moe_prefill`.
+
+    Runs :func:`moe_align` once and allocates the scratch; returns {"gate_up": the fp8 activation
+    quantization (fp8 recipe) + kernel A; "down": kernel B + the combine, filling "out" (y [T, D]
+    in x.dtype); "align": re-runs moe_align (for its time only); "ids", "block_expert", "config"}.
+    The closures launch GPU work without host syncs; call gate_up then down.
+    """
     _check_moe_args(x, index, weight, gate_up, down, "moe_prefill")
     t, d = x.shape
     topk = index.shape[1]
@@ -352,7 +369,6 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
     n = t * topk
     bm = cfg.block_m
     ids, bexp, _ = moe_align(index, e, bm)
-    p_pad = ids.shape[0]
     num_m = bexp.shape[0]
     wflat = weight.reshape(-1).float().contiguous()
     cdt = x.dtype
@@ -363,67 +379,71 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
     from ._moe_prefill_triton import _act_quant_kernel, _moe_down_kernel, _moe_gate_up_kernel
 
     tl_cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[cdt]
-
-    # x operand: E4M3 codes + scales (fp8 recipe) or x itself
+    # x operand: E4M3 codes + per-1x128 scales (fp8 recipe) or x itself
     if f8in:
         xq = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=dev)
         xs = torch.empty(t, d // 128, dtype=torch.float32, device=dev)
-        bt = 16
-        _act_quant_kernel[(-(-t // bt), d // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
-                                                  BT=bt, EXACT=exact, num_warps=4)
         xa, xsa, sxs = xq, xs, xs.stride(0)
     else:
         xa, xsa, sxs = x, x, 0
-
     # act scratch: E4M3 codes + per-1x128 scales for the fp8 down recipe, else x's dtype
     if f8dn:
-        act = torch.empty(p_pad, i, dtype=torch.float8_e4m3fn, device=dev)
-        act_s = torch.empty(p_pad, i // 128, dtype=torch.float32, device=dev)
+        act = torch.empty(ids.shape[0], i, dtype=torch.float8_e4m3fn, device=dev)
+        act_s = torch.empty(ids.shape[0], i // 128, dtype=torch.float32, device=dev)
         sas = act_s.stride(0)
     else:
-        act = torch.empty(p_pad, i, dtype=cdt, device=dev)
+        act = torch.empty(ids.shape[0], i, dtype=cdt, device=dev)
         act_s, sas = act, 0
+    atomic = cfg.combine == "atomic"
+    acc = torch.empty(t if atomic else n, d, dtype=torch.float32, device=dev)
+    y = acc if (cdt == torch.float32 and atomic) else torch.empty(t, d, dtype=cdt, device=dev)
+    lim = float(limit) if limit is not None else 0.0
 
     def wargs(b: ExpertBank):
         sc = b.scale if b.scale is not None else b.data
         return sc, b.data.stride(0), b.data.stride(1), sc.stride(0), sc.stride(1)
 
-    sc, swe, swn, sse, ssn = wargs(gate_up)
-    bn = cfg.block_n
-    grid_a = (num_m * -(-i // bn),)
-    _moe_gate_up_kernel[grid_a](
-        xa, xsa, gate_up.data, sc, act, act_s, ids, bexp,
-        n, topk, i, d, num_m,
-        xa.stride(0), sxs, swe, swn, sse, ssn, act.stride(0), sas,
-        float(limit) if limit is not None else 0.0,
-        FMT=_FMT_ID[gate_up.fmt], BM=bm, BA=bn, BK=cfg.block_k, U=gate_up.interleave, GROUP_M=cfg.group_m,
-        CDT=tl_cdt, F8IN=f8in, F8OUT=f8dn, HAS_LIMIT=limit is not None, EVEN_K=(d % cfg.block_k == 0),
-        IEEE=ieee and not f8in, EXACT=exact, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    def align():
+        moe_align(index, e, bm)
 
-    atomic = cfg.combine == "atomic"
-    if atomic:
-        if add is None:
-            y32 = torch.zeros(t, d, dtype=torch.float32, device=dev)
+    def gate_up_launch():
+        if f8in:
+            bt = 16
+            _act_quant_kernel[(-(-t // bt), d // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
+                                                      BT=bt, EXACT=exact, num_warps=4)
+        sc, swe, swn, sse, ssn = wargs(gate_up)
+        _moe_gate_up_kernel[(num_m * -(-i // cfg.block_n),)](
+            xa, xsa, gate_up.data, sc, act, act_s, ids, bexp,
+            n, topk, i, d, num_m,
+            xa.stride(0), sxs, swe, swn, sse, ssn, act.stride(0), sas, lim,
+            FMT=_FMT_ID[gate_up.fmt], BM=bm, BA=cfg.block_n, BK=cfg.block_k, U=gate_up.interleave,
+            GROUP_M=cfg.group_m, CDT=tl_cdt, F8IN=f8in, F8OUT=f8dn, HAS_LIMIT=limit is not None,
+            EVEN_K=(d % cfg.block_k == 0), IEEE=ieee and not f8in, EXACT=exact, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+
+    def down_launch():
+        if atomic:  # kernel B adds into acc: zeros, or ``add`` (copied: add itself is not modified)
+            if add is None:
+                acc.zero_()
+            else:
+                acc.copy_(add)
+        sc, swe, swn, sse, ssn = wargs(down)
+        _moe_down_kernel[(num_m * -(-d // bn2),)](
+            act, act_s, down.data, sc, acc, ids, bexp, wflat,
+            n, topk, d, i, num_m,
+            act.stride(0), sas, swe, swn, sse, ssn, acc.stride(0),
+            FMT=_FMT_ID[down.fmt], BM=bm, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=tl_cdt, F8=f8dn, ATOMIC=atomic,
+            EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if atomic:
+            if y.data_ptr() != acc.data_ptr():
+                y.copy_(acc)
         else:
-            y32 = add.to(torch.float32, copy=True)
-            if not y32.is_contiguous():
-                y32 = y32.contiguous()
-        out = y32
-    else:
-        out = torch.empty(n, d, dtype=torch.float32, device=dev)
-    sc, swe, swn, sse, ssn = wargs(down)
-    grid_b = (num_m * -(-d // bn2),)
-    _moe_down_kernel[grid_b](
-        act, act_s, down.data, sc, out, ids, bexp, wflat,
-        n, topk, d, i, num_m,
-        act.stride(0), sas, swe, swn, sse, ssn, out.stride(0),
-        FMT=_FMT_ID[down.fmt], BM=bm, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=tl_cdt, F8=f8dn, ATOMIC=atomic,
-        EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not atomic:
-        y32 = out.view(t, topk, d).sum(1)
-        if add is not None:
-            y32 += add.float()
-    return y32 if cdt == torch.float32 else y32.to(cdt)
+            s = acc.view(t, topk, d).sum(1)
+            if add is not None:
+                s += add.float()
+            y.copy_(s)
+
+    return dict(align=align, gate_up=gate_up_launch, down=down_launch, out=y, ids=ids, block_expert=bexp, config=cfg)
 
 
 # ---------------------------------------------------------------------------------------
