@@ -386,3 +386,29 @@ def test_long_prefill_takes_the_grouped_moe_gemm_under_interpreter(monkeypatch):
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 1e-3, f"relative error {err:.2e}"
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_graph_runner_fills_static_inputs_padded_to_the_bucket():
+    """CudaGraphRunner.prepare (host side of a decode step; runs on any device): ids, positions,
+    context lengths, block tables and slots, padding rows pointing at the scratch block."""
+    from memra.engine.cuda_graph import CudaGraphRunner
+
+    model = build_model(_SMALL, seed=0)
+    groups = kv_groups(model.config)
+    cache = PagedKVCache(groups, [9] * len(groups), 4, torch.float32)
+    r = CudaGraphRunner(model, cache, max_batch=8, max_blocks=5, scratch_blocks=[8] * len(groups))
+    assert r.buckets == [1, 2, 4, 8]
+    tables = [[[3, 1, 0]] * len(groups), [[-1, 2, 5, 6]] * len(groups), [[7]] * len(groups)]
+    b = r.prepare([11, 12, 13], [9, 13, 2], tables)
+    assert b == 4
+    assert r.ids[:4].tolist() == [11, 12, 13, 0] and r.pos[:4].tolist() == [9, 13, 2, 0]
+    assert r.seq_lens[:4].tolist() == [10, 14, 3, 0]
+    for g in range(len(groups)):
+        assert r.tables[g][:4].tolist() == [[3, 1, 0, -1, -1], [-1, 2, 5, 6, -1], [7, -1, -1, -1, -1], [-1] * 5]
+        assert r.slots[g][:4].tolist() == [0 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 8 * 4]
+    with pytest.raises(ValueError, match="no KV block"):
+        r.prepare([1], [4], [[[-1, -1]] * len(groups)])
+    with pytest.raises(ValueError, match="exceeds the largest"):
+        r.prepare([1] * 9, [0] * 9, [[[0]] * len(groups)] * 9)
+    with pytest.raises(ValueError, match="captured width"):
+        r.prepare([1], [0], [[[0] * 6] * len(groups)])

@@ -222,21 +222,15 @@ def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]
     """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
     import torch
 
-    from ..layers.rope import rope_cos_sin
     from ..models.step3p5 import MoE
 
     layers = model.layers
     with torch.inference_mode():
         x = model.embed(ids)
-        tabs = {}
         ins_attn, ins_mlp, routes = [], [], []
-        for i, layer in enumerate(layers):
-            lc = model.config.layers[i]
-            key = model._rope_keys[i]
-            if key not in tabs:
-                tabs[key] = rope_cos_sin(lc, pos, x.dtype)
-            ins_attn.append((x, tabs[key]))
-            x = x + layer.attn(layer.attn_norm(x), *tabs[key], kv)
+        for layer, tab in zip(layers, model.rope_tables(pos, x.dtype)):
+            ins_attn.append((x, tab))
+            x = x + layer.attn(layer.attn_norm(x), *tab, kv)
             h = layer.ffn_norm(x)
             ins_mlp.append(h)
             if isinstance(layer.mlp, MoE):

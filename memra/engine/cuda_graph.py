@@ -140,13 +140,16 @@ class CudaGraphRunner:
                 return b
         raise ValueError(f"decode batch of {n} rows exceeds the largest captured batch ({self.max_batch})")
 
-    def run(self, ids: list[int], positions: list[int], block_tables: list[list[list[int]]]) -> torch.Tensor:
-        """One decode step: row r adds token ``ids[r]`` at ``positions[r]`` with per-group block
-        tables ``block_tables[r][g]``. Returns the fp32 logits [len(ids), vocab] (a view of the
-        graph's output buffer, valid until the next call)."""
+    def prepare(self, ids: list[int], positions: list[int], block_tables: list[list[list[int]]]) -> int:
+        """Fill the static inputs for one decode step (row r adds token ``ids[r]`` at
+        ``positions[r]`` with per-group block tables ``block_tables[r][g]``), padded to the bucket;
+        returns the bucket. One host tensor and one copy per input.
+
+        Raises: ValueError for mismatched lengths, an empty or too large batch, a block table
+        wider than the captured width, or a position without a KV block."""
         n = len(ids)
         if n == 0 or len(positions) != n or len(block_tables) != n:
-            raise ValueError(f"CudaGraphRunner.run: {n} ids, {len(positions)} positions and {len(block_tables)} "
+            raise ValueError(f"CudaGraphRunner: {n} ids, {len(positions)} positions and {len(block_tables)} "
                              f"block tables; expected the same number >= 1")
         b = self.bucket(n)
         bs = self.block_size
@@ -157,20 +160,26 @@ class CudaGraphRunner:
                                 non_blocking=True)
         width = self.tables[0].shape[1]
         for g in range(len(self.tables)):
-            tab = torch.full((b, width), -1, dtype=torch.int32)
-            slots = []
+            rows, slots = [], []
             for r in range(n):
                 t = block_tables[r][g]
                 if len(t) > width:
                     raise ValueError(f"block table of {len(t)} blocks exceeds the captured width {width}")
-                tab[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
                 p = positions[r]
                 blk = t[p // bs] if p // bs < len(t) else -1
                 if blk < 0:
                     raise ValueError(f"row {r}: position {p} has no KV block in group {g} (block table {t})")
+                rows.append(t + [-1] * (width - len(t)))
                 slots.append(blk * bs + p % bs)
-            self.tables[g][:b].copy_(tab, non_blocking=True)
+            rows += [[-1] * width] * pad
+            self.tables[g][:b].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
             self.slots[g][:b].copy_(torch.tensor(slots + [self.scratch[g]] * pad, dtype=torch.int64),
                                     non_blocking=True)
+        return b
+
+    def run(self, ids: list[int], positions: list[int], block_tables: list[list[list[int]]]) -> torch.Tensor:
+        """One decode step (inputs as :meth:`prepare`). Returns the fp32 logits [len(ids), vocab]
+        (a view of the graph's output buffer, valid until the next call)."""
+        b = self.prepare(ids, positions, block_tables)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b][:len(ids)]

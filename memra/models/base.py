@@ -165,13 +165,19 @@ class CausalLM(nn.Module):
         to get the former).
         """
         x = self.embed(input_ids)
-        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        rope = self.rope_tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            key = self._rope_keys[i]
-            if key not in tables:
-                tables[key] = rope_cos_sin(self.config.layers[i], positions, x.dtype)
-            x = layer(x, *tables[key], kv)
+            x = layer(x, *rope[i], kv)
         return x if prenorm else self.norm(x)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per decoder layer, its (cos, sin) tables [T, rotary_dim] at int64 ``positions`` [T];
+        layers with equal RoPE settings share one computed pair."""
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, lc in zip(self._rope_keys, self.config.layers):
+            if key not in tables:
+                tables[key] = rope_cos_sin(lc, positions, dtype)
+        return [tables[key] for key in self._rope_keys]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""

@@ -331,12 +331,8 @@ class Step35ForCausalLM(CausalLM):
         from ..kernels.norm_rope import rms_norm
 
         x, pending = self.embed(input_ids), None
-        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(self.layers):
-            key = self._rope_keys[i]
-            if key not in tables:
-                tables[key] = rope_cos_sin(self.config.layers[i], positions, x.dtype)
-            x, pending = layer.forward_fused(x, pending, *tables[key], kv)
+        for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
+            x, pending = layer.forward_fused(x, pending, cos, sin, kv)
         y, x = rms_norm(pending, self.norm.weight, self.norm.eps, residual=x)
         return x if prenorm else y
 
