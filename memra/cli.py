@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--no-llamacpp", action="store_true")
     bc.add_argument("--json-out", default=None, help="write results here (default: print only)")
     bc.set_defaults(func=cmd_bench_cpu)
-    bce = bsub.add_parser("census", help="decode-kernel census on a CUDA GPU: us/call, TB/s, % of copy bandwidth",
+    bce = bsub.add_parser("census", help="decode-kernel census on a CUDA GPU: us/call, TB/s, %% of copy bandwidth",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.census import add_census_args, run_from_args
 
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_args(bde)
     bde.set_defaults(func=run_decode)
     bmg = bsub.add_parser("moe-grouped", help="prefill grouped MoE GEMM rate probe on a CUDA GPU (seeds' "
-                          "moe-sk-repro): skewed/uniform routing, per-projection time, TFLOP/s, % of roofline",
+                          "moe-sk-repro): skewed/uniform routing, per-projection time, TFLOP/s, %% of roofline",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.moe_grouped import add_moe_grouped_args
     from .bench.moe_grouped import run_from_args as run_moe_grouped

@@ -67,3 +67,25 @@ def test_generate_into_closed_pipe_is_quiet():
     err = p1.stderr.read().decode()
     assert p1.wait(timeout=600) == 0
     assert "Traceback" not in err
+
+
+def test_every_help_page_renders(capsys):
+    """--help of every (sub)command prints (argparse formats help strings: a bare % breaks it)."""
+    import pytest
+
+    from memra.cli import build_parser
+
+    def walk(p, path):
+        yield path
+        for a in p._actions:
+            if a.__class__.__name__ == "_SubParsersAction":
+                for name, sub in a.choices.items():
+                    yield from walk(sub, path + [name])
+
+    paths = list(walk(build_parser(), []))
+    assert ["bench", "moe-grouped"] in paths and ["serve"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(path + ["--help"])
+        assert e.value.code == 0, path
+        assert "usage: memra" in capsys.readouterr().out
