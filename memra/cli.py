@@ -362,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decode_args(bde)
     bde.set_defaults(func=run_decode)
+    bpf = bsub.add_parser("prefill", help="the flagship's prefill chunk on one GPU (synthetic weights in GPU memory): "
+                          "tok/s vs the FLOP/byte roofline, per-phase split, TTFT through the engine",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.prefill import add_prefill_args
+    from .bench.prefill import run_from_args as run_prefill
+
+    add_prefill_args(bpf)
+    bpf.set_defaults(func=run_prefill)
     bmg = bsub.add_parser("moe-grouped", help="prefill grouped MoE GEMM rate probe on a CUDA GPU (seeds' "
                           "moe-sk-repro): skewed/uniform routing, per-projection time, TFLOP/s, %% of roofline",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

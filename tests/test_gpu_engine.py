@@ -51,7 +51,7 @@ def _paged_run(model, ids: list[int], n_prefill: int, device) -> torch.Tensor:
     table = list(range(nblk))[::-1]  # non-trivial block order
     out = []
     with torch.inference_mode():
-        kv = PagedBatch(cache, [SeqChunk(0, n_prefill, [table] * len(groups))])
+        kv = PagedBatch(cache, [SeqChunk(0, n_prefill, [table] * len(groups))], use_kernels=True)  # flash kernel
         h = model(torch.tensor(ids[:n_prefill], device=device), torch.arange(n_prefill, device=device), kv)
         out.append(model.logits(h).float().cpu())
         for p in range(n_prefill, len(ids)):
@@ -110,14 +110,14 @@ def _smollm2_path() -> str:
 
 
 def _check_teacher_forced(cpu_model, cpu_bf16_model, gpu_model, ids, n_prefill, min_decided: float = 0.0,
-                          min_agree: float = 0.99):
+                          min_agree: float = 0.99, max_median_ratio: float = 1.5):
     """bf16 logits on the GPU vs fp32 on the CPU, with the tolerance of the dtype measured on the
     same tokens, per position: the CPU path run in bf16 gives each position's bf16 error scale
     ``e`` (max over the vocabulary of |logit - fp32 logit|). Checks: at >= ``min_agree`` of the
     positions the GPU's top-1 token is within 2 e of the fp32 maximum; at the positions whose fp32
     top-1/top-2 gap exceeds 2 e (where bf16 can decide the argmax; at least ``min_decided`` of
     them) the top-1 agrees at >= ``min_agree``; the GPU's median per-position error is within
-    1.5x the CPU bf16 path's."""
+    ``max_median_ratio`` x the CPU bf16 path's."""
     ref = _ref_logits(cpu_model, ids)
     bf = _ref_logits(cpu_bf16_model, ids)
     got = _paged_run(gpu_model, ids, n_prefill, "cuda")
@@ -137,7 +137,7 @@ def _check_teacher_forced(cpu_model, cpu_bf16_model, gpu_model, ids, n_prefill, 
     assert float(within.float().mean()) >= min_agree
     assert float(decided.float().mean()) >= min_decided
     assert agree >= min_agree
-    assert float(e_gpu.median()) <= 1.5 * float(e_cpu.median())
+    assert float(e_gpu.median()) <= max_median_ratio * float(e_cpu.median())
 
 
 _TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -172,7 +172,13 @@ def test_tiny_step_logits_gpu_vs_cpu(experts):
     ids = torch.randint(3, 512, (200,), generator=g).tolist()
     # this random model amplifies rounding: its CPU bf16 path picks the fp32 top-1 at only 93-96 % of
     # the positions, so 97 % here (measured on the H200: 98.4-98.5 % where these checks bind)
-    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=150, min_agree=0.97)
+    # fp8 experts: the 150-token prefill runs the FP8 block recipe (moe_prefill, fp8_act: activations
+    # quantized to E4M3 per 1x128 group, 3 mantissa bits; the CPU path keeps bf16 activations), which
+    # the H200 measured at 2.4x the CPU bf16 path's median error (0.102 vs 0.043) with the same
+    # agreement where bf16 decides (0.970); the recipe's own exactness is tested against its emulation
+    # in tests/test_kernels_moe_prefill.py
+    _check_teacher_forced(cpu_model, cpu_bf16, gpu_model, ids, n_prefill=150, min_agree=0.97,
+                          max_median_ratio=3.0 if experts == "fp8" else 1.5)
 
 
 @pytest.mark.gpu

@@ -700,12 +700,28 @@ def add_moe_grouped_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true", help="skip the comparison with moe_prefill_ref")
     p.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     p.add_argument("--json-out", default=None, help="write the result JSON here")
+    p.add_argument("--tune", action="store_true",
+                   help="first tune the tile configurations for --formats at --t on skewed routing "
+                        "(memra/bench/moe_tune.py) and write them to --tune-out; the bench then uses them")
+    p.add_argument("--tune-out", default=None,
+                   help="tuning table to write (default: the one moe_prefill reads, "
+                        "memra/kernels/moe_prefill_tuned.json)")
+    p.add_argument("--tune-workers", type=int, default=None, help="processes compiling candidates in parallel")
+    p.add_argument("--tune-only", action="store_true", help="with --tune: skip the bench afterwards")
 
 
 def run_from_args(a: argparse.Namespace) -> int:
     """Run for parsed arguments (:func:`add_moe_grouped_args`): table and JSON. Returns 1 if any
     correctness check failed or a point errored, else 0. Raises: SystemExit with a message for a
     bad argument or without a CUDA GPU."""
+    if getattr(a, "tune", False):
+        from ..kernels.moe_prefill import TUNED_TABLE
+        from .moe_tune import run_tune
+
+        p = parse_args_checked(a)
+        run_tune(p["ts"], p["formats"], a.tune_out or TUNED_TABLE, seed=a.seed, workers=a.tune_workers)
+        if a.tune_only:
+            return 0
     res = run_bench(a)
     print_table(res)
     if a.json_out:

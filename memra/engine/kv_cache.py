@@ -127,24 +127,46 @@ class PagedBatch:
     prefill chunk attends over its cached prefix plus itself. Slot mappings, gather
     indices and masks are built once per group here and reused by every layer.
 
+    With ``use_kernels`` (default: when the cache is on a CUDA device) every sequence of the step,
+    decode rows included, is attended by one varlen launch of the Triton flash kernel
+    :func:`memra.kernels.attention_prefill.paged_prefill_attention`, which reads K/V straight
+    from the pages (no gather, no mask tensors, no O(T^2) memory) and applies the Step-3.5 head
+    gate in its epilogue (``fuses_gate``); the step's K/V are written by the fused
+    :func:`memra.kernels.fused.kv_write`. Otherwise (CPU) torch SDPA over gathered pages with
+    explicit visibility masks.
+
     Args:
         cache: the storage.
         chunks: the step's sequences.
+        use_kernels: force the kernel path on or off (the CPU interpreter tests force it on).
     """
 
-    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]):
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], use_kernels: bool | None = None):
         self.cache = cache
         bs = cache.block_size
         dev = cache.k[cache.groups[0].layers[0]].device
+        self.use_kernels = dev.type == "cuda" if use_kernels is None else bool(use_kernels)
+        self.fuses_gate = self.use_kernels
         self.num_tokens = sum(c.num_new for c in chunks)
         self.per_group = []
         offsets, o = [], 0
         for c in chunks:
             offsets.append(o)
             o += c.num_new
+        if self.use_kernels:
+            cu = torch.tensor(offsets + [o], dtype=torch.int32).to(dev)
+            lens = torch.tensor([c.start + c.num_new for c in chunks], dtype=torch.int32).to(dev)
+            self.varlen = (cu, lens, max((c.num_new for c in chunks), default=0))
         for gi, g in enumerate(cache.groups):
             tables = [torch.tensor(c.block_tables[gi], dtype=torch.long) for c in chunks]
             slots = torch.cat([_slots(t, c.start, c.start + c.num_new, bs) for t, c in zip(tables, chunks)])
+            if self.use_kernels:
+                width = max(len(t) for t in tables)
+                bt = torch.full((len(chunks), max(width, 1)), NULL_BLOCK, dtype=torch.int32)
+                for r, t in enumerate(tables):
+                    bt[r, :len(t)] = t.to(torch.int32)
+                self.per_group.append((slots.to(dev), bt.to(dev)))
+                continue
             keys = [_slots(t, _window_start(c.start, g.window), c.start + c.num_new, bs)
                     for t, c in zip(tables, chunks)]
             dec = [i for i, c in enumerate(chunks) if c.num_new == 1]
@@ -172,10 +194,24 @@ class PagedBatch:
             self.per_group.append((slots.to(dev), decode, prefill))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-               scale: float) -> torch.Tensor:
-        """Write this step's k, v [T, KV, D] to their slots, then attend q [T, H, D] -> [T, H, D]."""
+               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this step's k, v [T, KV, D] to their slots, then attend q [T, H, D] -> [T, H, D].
+        ``gate`` [T, H] (kernel path only, ``fuses_gate``): the output times sigmoid(gate).
+
+        Raises: ValueError for a gate on the SDPA path (the caller applies it there)."""
         cache = self.cache
         gi = cache.layer_group[layer]
+        if self.use_kernels:
+            from ..kernels.attention_prefill import paged_prefill_attention
+            from ..kernels.fused import kv_write
+
+            slots, table = self.per_group[gi]
+            kc, vc = cache.k[layer], cache.v[layer]
+            kv_write(k, v, kc, vc, slots)
+            cu, lens, max_q = self.varlen
+            return paged_prefill_attention(q, kc, vc, table, cu, lens, window, scale, gate=gate, max_q_len=max_q)
+        if gate is not None:
+            raise ValueError("PagedBatch.attend: the SDPA path does not fuse the head gate (fuses_gate is False)")
         slots, decode, prefill = self.per_group[gi]
         kc = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
         vc = cache.v[layer].view(-1, *cache.v[layer].shape[2:])

@@ -86,13 +86,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, stride_x, stride_q, stride_s,
 @triton.jit
 def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
             FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, CDT: tl.constexpr,
-            F8: tl.constexpr):
+            F8: tl.constexpr, SCALAR_S: tl.constexpr = False):
     """Weight rows rn [BN] (in range), columns k0 .. k0 + BK of one expert -> (tile [BN, BK], s [BN]).
 
     bf16 / nvfp4 / q8_0: the dequantized values in CDT, s = 1 (nvfp4 values E2M1 * UE4M3 are exact
     in fp16 and bf16; q8_0 code * d is rounded to CDT). fp8: the codes (E4M3 as they are with F8,
     else converted to CDT, exact) and s = the 128x128 block scale of each row at k0 (BK divides
-    128, so one scale per row and loop step): the caller scales the product."""
+    128, so one scale per row and loop step): the caller scales the product. SCALAR_S (fp8):
+    the rows rn lie in one 128-row scale block; s is not loaded (ones): the caller loads that
+    block's scale with :func:`_block_scale`."""
     s = tl.full([BN], 1.0, tl.float32)
     if FMT == 2:  # nvfp4: byte i of a row = elements 2i (low nibble), 2i + 1; UE4M3 byte per 16
         rb = k0 // 2 + tl.arange(0, BK // 2)
@@ -121,7 +123,8 @@ def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
         if FMT == 0:
             w = w.to(CDT)
         elif FMT == 1:
-            s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128)
+            if not SCALAR_S:  # else the caller loads the tile's one scale (_block_scale)
+                s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128)
             if not F8:
                 w = w.to(CDT)
         else:  # q8_0: fp16 d per 32 weights of a row
@@ -136,13 +139,20 @@ def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def _block_scale(s_ptr, row, k0, stride_sn):
+    # fp8: the 128x128 block scale of weight row ``row`` (scalar) at K offset k0
+    return tl.load(s_ptr + (row // 128) * stride_sn + k0 // 128)
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, bexp_ptr,
                         n_pairs, topk, I, K, num_m,
                         stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_a, stride_as,
                         limit,
                         FMT: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BK: tl.constexpr, U: tl.constexpr,
                         GROUP_M: tl.constexpr, CDT: tl.constexpr, F8IN: tl.constexpr, F8OUT: tl.constexpr,
-                        HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
+                        SCALAR_S: tl.constexpr = False):
     """act[pos, j] = min(silu(g), limit) * clamp(u, +-limit) for the BM sorted positions pos of
     row block pid_m (one expert e, or -1: nothing to do) and act columns j = pid_a * BA .. + BA,
     g / u = x[pair // topk] . W_e[gate / up row of j]. W: fused bank [E, 2I, K], rows interleaved
@@ -163,6 +173,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
         jc = tl.minimum(j, I - 1)  # columns past I: rows of column I - 1 (in range, never stored)
         rg = (jc // U) * (2 * U) + jc % U
         ru = rg + U
+        j0 = pid_a * BA  # SCALAR_S: all of the tile's gate rows in one 128-row block (up rows: + U)
+        rg0 = (j0 // U) * (2 * U) + j0 % U
         e64 = e.to(tl.int64)
         wb = w_ptr + e64 * stride_we
         sb = ws_ptr + e64 * stride_se
@@ -177,11 +189,21 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
             xa = tl.load(x_ptr + tok[:, None] * stride_x + rk[None, :], mask=xm, other=0.0)
             if not F8IN:
                 xa = xa.to(CDT)
-            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN)
-            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN)
+            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S)
+            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S)
             pg = _mm(xa, tl.trans(wg), IEEE)
             pu = _mm(xa, tl.trans(wu), IEEE)
-            if FMT == 1:
+            if FMT == 1 and SCALAR_S:  # one FMA per accumulator element: row scale x block scale
+                bg = _block_scale(sb, rg0, k0, stride_sn)
+                bu = _block_scale(sb, rg0 + U, k0, stride_sn)
+                if F8IN:
+                    xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
+                    acc_g += pg * (xs * bg)[:, None]
+                    acc_u += pu * (xs * bu)[:, None]
+                else:
+                    acc_g += pg * bg
+                    acc_u += pu * bu
+            elif FMT == 1:
                 if F8IN:
                     xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
                     acc_g += pg * xs[:, None] * sg[None, :]
@@ -215,7 +237,7 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
                      stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      CDT: tl.constexpr, F8: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, SCALAR_S: tl.constexpr = False):
     """For the BM sorted positions pos of row block pid_m (expert e; -1: nothing to do) and
     output columns n = pid_n * BN .. + BN: v = weight[pair] * act[pos] . W_e[n]; ATOMIC: fp32
     atomic add into y[pair // topk, n]; else stored to y[pair, n] (per-pair rows).
@@ -245,9 +267,16 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
             a = tl.load(a_ptr + rm64[:, None] * stride_a + rk[None, :], mask=am, other=0.0)
             if not F8:
                 a = a.to(CDT)
-            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8)
+            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8, SCALAR_S)
             p = _mm(a, tl.trans(w), IEEE)
-            if FMT == 1:
+            if FMT == 1 and SCALAR_S:  # one FMA per accumulator element
+                bs = _block_scale(sb, pid_n * BN, k0, stride_sn)
+                if F8:
+                    asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
+                    acc += p * (asc * bs)[:, None]
+                else:
+                    acc += p * bs
+            elif FMT == 1:
                 if F8:
                     asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
                     acc += p * asc[:, None] * s[None, :]

@@ -61,7 +61,11 @@ CUDA-graph capture and speed are NOT yet measured (tests marked ``gpu``,
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,13 +75,16 @@ from .moe_decode import ExpertBank, _check_moe_args, _deinterleave, dequantize_e
 __all__ = [
     "MoePrefillConfig",
     "default_prefill_config",
+    "tuned_prefill_config",
+    "tuned_table",
+    "table_key",
+    "TUNED_TABLE",
     "moe_align",
     "moe_prefill",
     "moe_prefill_ref",
     "quantize_act_fp8_ref",
     "align_sizes",
     "sm90_compile_report",
-    "benchmark_moe_prefill",
 ]
 
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2, "q8_0": 3}
@@ -227,7 +234,8 @@ class MoePrefillConfig:
         and its K (= I) step (None: block_n / block_k).
     All blocks powers of two >= 16; block_k a multiple of 32 for q8_0; fp8: block_k(_down)
     divides 128 (one weight-scale block per step).
-    num_warps, num_stages: both kernels. group_m: row blocks per column sweep (L2 reuse).
+    num_warps, num_stages: kernel A (and kernel B unless num_warps_down / num_stages_down are
+    set). group_m: row blocks per column sweep (L2 reuse), both kernels.
     fp8_act: fp8 banks use the FP8 block recipe (E4M3 x E4M3 dots, activations quantized per
         1x128 group); False: E4M3 codes converted to x's dtype (exact weights, no activation
         rounding beyond x's dtype). Ignored for other formats.
@@ -244,11 +252,53 @@ class MoePrefillConfig:
     block_k_down: int | None = None
     fp8_act: bool = True
     combine: str = "atomic"
+    num_warps_down: int | None = None
+    num_stages_down: int | None = None
+
+
+TUNED_TABLE = Path(__file__).with_name("moe_prefill_tuned.json")
+
+
+def table_key(fmt: str, topk: int, e: int, i: int, d: int) -> str:
+    """Key of one (format, shape) in :data:`TUNED_TABLE`."""
+    return f"{fmt} e={e} k={topk} d={d} i={i}"
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_table() -> dict:
+    """The tile configurations tuned on the H200 (``memra bench moe-grouped --tune``), from
+    :data:`TUNED_TABLE`: {"device", "commit", "method", "configs": {table_key: [entry, ...]}},
+    each entry {"t", "routing", "config": MoePrefillConfig fields, "us": measured times,
+    "default_us": the heuristic config's times}. {} when the file is absent.
+    Raises: ValueError if the file is not valid JSON of that form."""
+    if not TUNED_TABLE.exists():
+        return {}
+    try:
+        table = json.loads(TUNED_TABLE.read_text())
+    except json.JSONDecodeError as ex:
+        raise ValueError(f"{TUNED_TABLE}: not valid JSON: {ex}") from None
+    if not isinstance(table, dict) or not isinstance(table.get("configs"), dict):
+        raise ValueError(f"{TUNED_TABLE}: expected an object with a 'configs' object")
+    return table
+
+
+def tuned_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int = 1280,
+                         d: int = 4096) -> MoePrefillConfig | None:
+    """The tuned configuration for this format and shape whose token count is nearest to ``t``
+    (in log2), or None when the table has none. Tuned at T = 512, 2048, 4096 on skewed routing:
+    block_m follows the rows per expert, so a T between two tuned points takes the nearer."""
+    entries = tuned_table().get("configs", {}).get(table_key(fmt, topk, e, i, d))
+    if not entries:
+        return None
+    best = min(entries, key=lambda en: abs(math.log2(en["t"]) - math.log2(max(t, 1))))
+    return MoePrefillConfig(**best["config"])
 
 
 def default_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int = 1280,
-                           d: int = 4096) -> MoePrefillConfig:
-    """UNTUNED Hopper defaults (to be replaced by an H200 tuning table): block_m from the mean
+                           d: int = 4096, tuned: bool = True) -> MoePrefillConfig:
+    """The launch configuration :func:`moe_prefill` uses: with ``tuned``, the H200 tuning
+    table's entry for this format and shape (:func:`tuned_prefill_config`) when there is one;
+    otherwise these heuristic Hopper defaults: block_m from the mean
     rows per expert (16 / 32 / 64 / 128, to bound the padding of a few hundred tokens over 288
     experts), block_k 128 (K steps of one fp8 scale block), kernel A 64 act columns (128 weight
     rows), kernel B 128 x 128, 4 warps, 3 stages; the fp8 recipe (when D and I are multiples of
@@ -259,6 +309,10 @@ def default_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int
     tiny shapes (tests) so that they do not exceed D or I."""
     if fmt not in _FMT_ID:
         raise ValueError(f"default_prefill_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
+    if tuned:
+        cfg = tuned_prefill_config(fmt, t, topk, e, i, d)
+        if cfg is not None:
+            return cfg
     mean = t * topk / max(1, min(e, t * topk))
     bm = 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 128 else 128
     fp8_act = fmt == "fp8" and d % 128 == 0 and i % 128 == 0
@@ -296,7 +350,8 @@ def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: 
         if bk % _BK_UNIT[bank.fmt] or (bank.fmt == "fp8" and 128 % bk):
             raise ValueError(f"moe_prefill: {what} = {bk} for {bank.fmt} must be a multiple of "
                              f"{_BK_UNIT[bank.fmt]}" + (" and divide 128" if bank.fmt == "fp8" else ""))
-    if cfg.combine not in ("atomic", "sum") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+    if (cfg.combine not in ("atomic", "sum") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1
+            or (cfg.num_warps_down or 1) < 1 or (cfg.num_stages_down or 1) < 1):
         raise ValueError(f"moe_prefill: invalid config {cfg}")
     if f8 and cfg.block_n % 128:
         raise ValueError(f"moe_prefill: the fp8 recipe quantizes act in 1x128 groups inside kernel A: block_n = "
@@ -305,6 +360,14 @@ def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: 
 
 
 _CDT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _scalar_scale(bank: ExpertBank, block_rows: int) -> bool:
+    """fp8: every weight tile of ``block_rows`` rows (block_n act columns of the fused bank, or
+    block_n_down rows of down) lies in one 128-row scale block, so the kernel loads one scale
+    per tile and K step instead of one per row: the tile is aligned, at most 128 rows, and the
+    gate/up interleave unit is a multiple of 128."""
+    return bank.fmt == "fp8" and 128 % block_rows == 0 and bank.interleave % 128 == 0
 
 
 def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
@@ -418,7 +481,8 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             xa.stride(0), sxs, swe, swn, sse, ssn, act.stride(0), sas, lim,
             FMT=_FMT_ID[gate_up.fmt], BM=bm, BA=cfg.block_n, BK=cfg.block_k, U=gate_up.interleave,
             GROUP_M=cfg.group_m, CDT=tl_cdt, F8IN=f8in, F8OUT=f8dn, HAS_LIMIT=limit is not None,
-            EVEN_K=(d % cfg.block_k == 0), IEEE=ieee and not f8in, EXACT=exact, num_warps=cfg.num_warps,
+            EVEN_K=(d % cfg.block_k == 0), IEEE=ieee and not f8in, EXACT=exact,
+            SCALAR_S=_scalar_scale(gate_up, cfg.block_n), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
 
     def down_launch():
@@ -433,7 +497,9 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             n, topk, d, i, num_m,
             act.stride(0), sas, swe, swn, sse, ssn, acc.stride(0),
             FMT=_FMT_ID[down.fmt], BM=bm, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=tl_cdt, F8=f8dn, ATOMIC=atomic,
-            EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, SCALAR_S=_scalar_scale(down, bn2),
+            num_warps=cfg.num_warps_down or cfg.num_warps,
+            num_stages=cfg.num_stages_down or cfg.num_stages)
         if atomic:
             if y.data_ptr() != acc.data_ptr():
                 y.copy_(acc)
@@ -508,16 +574,21 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
                  stride_as=i // 128 if f8 else 0)
     a_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BA=cfg.block_n, BK=cfg.block_k, U=128 if fmt == "fp8" else 16,
                    GROUP_M=cfg.group_m, CDT=cdt, F8IN=f8, F8OUT=f8, HAS_LIMIT=True, EVEN_K=d % cfg.block_k == 0,
-                   IEEE=x_dtype == "fp32" and not f8, EXACT=False)
+                   IEEE=x_dtype == "fp32" and not f8, EXACT=False,
+                   SCALAR_S=fmt == "fp8" and 128 % cfg.block_n == 0)
     we, wn, se, sn = strides(d, i)
     b_sig = dict(a_ptr=xp, as_ptr="*fp32" if f8 else xp, w_ptr=wptr, ws_ptr=sptr, y_ptr="*fp32", ids_ptr="*i32",
                  bexp_ptr="*i32", wt_ptr="*fp32")
     b_int = dict(n_pairs=n, topk=topk, N=d, K=i, num_m=nb, stride_a=i, stride_as=i // 128 if f8 else 0,
                  stride_we=we, stride_wn=wn, stride_se=se, stride_sn=sn, stride_y=d)
     b_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=cdt, F8=f8,
-                   ATOMIC=cfg.combine == "atomic", EVEN_K=i % bk2 == 0, IEEE=x_dtype == "fp32" and not f8)
+                   ATOMIC=cfg.combine == "atomic", EVEN_K=i % bk2 == 0, IEEE=x_dtype == "fp32" and not f8,
+                   SCALAR_S=fmt == "fp8" and 128 % bn2 == 0)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     out = {}
+    opts = {"gate_up": dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            "down": dict(num_warps=cfg.num_warps_down or cfg.num_warps,
+                         num_stages=cfg.num_stages_down or cfg.num_stages)}
     for name, fn, ptrs, ints, const in (("gate_up", K._moe_gate_up_kernel, a_sig, a_int, a_const),
                                         ("down", K._moe_down_kernel, b_sig, b_int, b_const)):
         sig, attrs = {}, {}
@@ -536,7 +607,7 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                               options=opts[name])
         except Exception as exc:  # noqa: BLE001 - Triton raises several types
             raise RuntimeError(f"sm90_compile_report: {name} kernel failed to compile for {fmt}, {cfg}: {exc}") from exc
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -550,98 +621,4 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
         ptx = k.asm["ptx"]
         out[name] = dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
                          smem=int(k.metadata.shared), wgmma="wgmma" in ptx, cp_async="cp.async" in ptx)
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# timing on the GPU (for the next tuning session; not used by the engine)
-
-
-def benchmark_moe_prefill(fmt: str, t: int, config: MoePrefillConfig | None = None, routing: str = "uniform",
-                          reps: int = 20, seed: int = 0, check: bool = True, e: int = 288, topk: int = 8,
-                          d: int = 4096, i: int = 1280) -> dict:
-    """Times :func:`moe_prefill` (CUDA graph of moe_align + both kernels, bf16 x, limit 7) at
-    the given shape on random banks (memra.bench.moe_census.random_moe) and reports a JSON-able
-    dict: config, active experts, max / mean rows per active expert, padding ratio (P_pad used /
-    P), ``us`` per call, TFLOP/s (2 * P * D * 3I), the bytes floor (active experts' weights + x
-    + act written and read + fp32 output), and the per-call roofline
-    ``max(flops / matmul_tflops, bytes / copy_tbs)`` from ceilings measured in the same run
-    (bf16 ``torch.mm`` 8192^3, or ``torch._scaled_mm`` FP8 for the fp8 recipe, and a device
-    copy), ``pct_roofline``; with ``check``, the relative error vs :func:`moe_prefill_ref`.
-
-    ``routing``: "uniform" (random top-k) or "skewed" (half the tokens choose expert 0).
-    Raises: RuntimeError without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("benchmark_moe_prefill needs a CUDA GPU")
-    from ..bench.moe_census import random_moe, random_routing
-
-    dev = torch.device("cuda")
-    gu, dn, gen = random_moe(fmt, dev, seed=seed, e=e, d=d, i=i)
-    index, weight = random_routing(t, e, topk, "cuda", gen)
-    if routing == "skewed":
-        h = t // 2
-        rest = torch.rand(h, e - 1, device=dev, generator=gen).argsort(dim=1)[:, : topk - 1] + 1
-        index[:h] = torch.cat([torch.zeros(h, 1, dtype=torch.int64, device=dev), rest], dim=1)
-    x = (torch.randn(t, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
-    cfg = config or default_prefill_config(fmt, t, topk, e, i, d)
-    out = {"fmt": fmt, "t": t, "routing": routing, "config": cfg.__dict__.copy()}
-    counts = torch.bincount(index.reshape(-1), minlength=e)
-    active = counts[counts > 0]
-    p = t * topk
-    used = int((-(-active // cfg.block_m)).sum()) * cfg.block_m
-    out.update(active=int(active.numel()), max_rows=int(active.max()), mean_rows=float(active.float().mean()),
-               padding_ratio=used / p)
-
-    def run():
-        return moe_prefill(x, index, weight, gu, dn, 7.0, config=cfg)
-
-    y = run()
-    torch.cuda.synchronize()
-    if check:
-        r = moe_prefill_ref(x.float(), index, weight, gu, dn, 7.0, fp8_act=cfg.fp8_act)
-        out["rel_err"] = float((y.float() - r).abs().max() / r.abs().max())
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-
-    def timed(fn, n) -> float:
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) * 1e3 / n  # µs
-
-    us = timed(g.replay, reps)
-    flops = 2.0 * p * d * 3 * i
-    act_bytes = 1 if (cfg.fp8_act and fmt == "fp8") else 2
-    nbytes = (active.numel() * (gu.expert_nbytes + dn.expert_nbytes) + t * d * 2 + 2 * used * i * act_bytes
-              + t * d * 4 * 2)
-    m = 8192
-    ma = torch.randn(m, m, device=dev).to(torch.bfloat16)
-    if cfg.fp8_act and fmt == "fp8":
-        a8 = ma.to(torch.float8_e4m3fn)
-        b8 = ma.to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=dev)
-        mm_us = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 10)
-    else:
-        mm_us = timed(lambda: ma @ ma, 10)
-    tflops_ceiling = 2.0 * m**3 / mm_us / 1e6
-    buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    buf2 = torch.empty_like(buf)
-    copy_tbs = 2.0 * buf.numel() / timed(lambda: buf2.copy_(buf), 10) / 1e6
-    del ma, buf, buf2
-    roof_us = max(flops / tflops_ceiling / 1e6, nbytes / copy_tbs / 1e6)
-    out.update(us=us, tflops=flops / us / 1e6, bytes=nbytes, matmul_tflops_ceiling=tflops_ceiling,
-               copy_tbs=copy_tbs, roofline_us=roof_us, pct_roofline=100.0 * roof_us / us)
-    del g
     return out
