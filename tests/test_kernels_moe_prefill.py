@@ -211,19 +211,26 @@ def test_add_and_combine(combine):
         moe_prefill(x, index, weight, gu, down, 0.5, add=add[:2], config=cfg)
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "q8_0", "bf16"])
-def test_uneven_k_and_tiles(fmt):
+def test_uneven_k_and_tiles(fmt, swap):
     """D and I not multiples of the K steps (masked K tails), several programs along I and D,
-    block_m 32, group_m 2 (the swizzle), the default configuration."""
+    block_m 32, group_m 2 (the swizzle), the default configuration; ``swap``: both kernels
+    compute the transposed products (swap_ab), also with the deterministic combine."""
     d = 192
     gu, down = _banks(fmt, 64, d=d, seed=7)
     g = torch.Generator().manual_seed(8)
     index, weight = _routing(20, 3, "uniform", g)
     x = torch.randn(20, d, generator=g)
     cfg = MoePrefillConfig(block_m=32, block_n=32, block_k=128, block_n_down=64, block_k_down=128 if fmt != "q8_0"
-                           else 32, group_m=2, num_warps=4, num_stages=2)
+                           else 32, group_m=2, num_warps=4, num_stages=2, swap_ab=swap)
     y = moe_prefill(x, index, weight, gu, down, 0.5, config=cfg)
     assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 0.5)) <= 1e-5, fmt
+    if swap:  # mixed: only kernel A swapped; and the per-pair-rows combine
+        for c in (dataclasses.replace(cfg, swap_ab_down=False), dataclasses.replace(cfg, combine="sum")):
+            y = moe_prefill(x, index, weight, gu, down, 0.5, config=c)
+            assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 0.5)) <= 1e-5, (fmt, c)
+        return
     if fmt == "nvfp4":
         y = moe_prefill(x, index, weight, gu, down, None)  # default config
         assert _rel(y, moe_decode_ref(x, index, weight, gu, down, None)) <= 1e-5
@@ -279,6 +286,8 @@ def test_config_validation_and_defaults():
     assert not default_prefill_config("fp8", 4096, i=96).fp8_act
     with pytest.raises(ValueError, match="unknown format"):
         default_prefill_config("int4", 8)
+    with pytest.raises(ValueError, match="swap_ab is not implemented for fp8"):
+        moe_prefill(x, index, w, gu, down, None, config=_cfg("fp8", 128, swap_ab=True))
 
 
 def test_sm90_compile_of_the_defaults():
@@ -365,6 +374,23 @@ def test_flagship_shape(fmt, t, flagship_banks):
         cfg = dataclasses.replace(default_prefill_config(fmt, t), combine="sum")
         ys = moe_prefill(x, index, weight, gu, down, 7.0, add=add, config=cfg)
         assert _rel(ys, y) <= BF16_TOL, (fmt, t, kind, "sum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("t", [512, 4096])
+def test_flagship_swap_ab(fmt, t, flagship_banks):
+    """Both kernels in the transposed (swap_ab) form at the flagship shape, whatever the tuned
+    table picks, skewed routing (experts with zero rows), block_m 16 and 128."""
+    gu, down, gen = flagship_banks(fmt)
+    index, weight = _flag_routing(t, "skewed", gen)
+    x = torch.randn(t, FLAG["d"], device="cuda", generator=gen).to(torch.bfloat16) * 0.5
+    r = moe_prefill_ref(x.float(), index, weight, gu, down, 7.0)
+    for bm in (16, 128):
+        cfg = MoePrefillConfig(block_m=bm, block_n=64, block_k=64, block_n_down=128, block_k_down=64,
+                               fp8_act=False, swap_ab=True)
+        y = moe_prefill(x, index, weight, gu, down, 7.0, config=cfg)
+        assert _rel(y, r) <= BF16_TOL, (fmt, t, bm, _rel(y, r))
 
 
 @pytest.mark.gpu

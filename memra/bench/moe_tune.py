@@ -8,8 +8,8 @@ the original's production distribution at 4096 tokens) and random banks at the f
 
 1. Candidates (:func:`candidates`): for each ``block_m`` of a short list chosen from the mean
    rows per expert, kernel A (gate+up) variants over block_n x block_k x num_warps x
-   num_stages and, independently, kernel B (down) variants over block_n_down x block_k_down x
-   num_warps_down x num_stages_down. The two kernels share only ``block_m`` (the pair
+   num_stages (x swap_ab, except for fp8) and, independently, kernel B (down) variants over
+   block_n_down x block_k_down x num_warps_down x num_stages_down (x swap_ab_down). The two kernels share only ``block_m`` (the pair
    alignment) and ``group_m``, so each is tuned on its own and the best pair is summed.
    ``fp8_act`` is never tuned (it changes the numerics): it stays at the default.
 2. Compilation in parallel (:func:`precompile`): worker processes launch every candidate once
@@ -61,21 +61,24 @@ def candidates(fmt: str, t: int, shape: dict, quick: bool = False) -> dict[int, 
         f8 = base.fp8_act and fmt == "fp8"
         a_list, b_list = [], []
         bns = [128] if f8 else [64, 128]
-        for bn in bns:
-            for bk in (64, 128):
-                for w in (4, 8):
-                    for st in (3, 4):
-                        if quick and (w, st) != (4, 3):
-                            continue
-                        a_list.append(replace(base, block_n=bn, block_k=bk, num_warps=w, num_stages=st))
-        for bn in (64, 128, 256):
-            for bk in (64, 128):
-                for w in (4, 8):
-                    for st in (3, 4):
-                        if quick and (w, st) != (4, 3):
-                            continue
-                        b_list.append(replace(base, block_n_down=bn, block_k_down=bk, num_warps_down=w,
-                                              num_stages_down=st))
+        swaps = (False,) if fmt == "fp8" else (False, True)  # swap_ab: not for fp8 banks
+        for sw in swaps:
+            for bn in bns:
+                for bk in (64, 128):
+                    for w in (4, 8):
+                        for st in (3, 4):
+                            if quick and (w, st) != (4, 3):
+                                continue
+                            a_list.append(replace(base, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+                                                  swap_ab=sw, swap_ab_down=False))
+            for bn in (64, 128, 256):
+                for bk in (64, 128):
+                    for w in (4, 8):
+                        for st in (3, 4):
+                            if quick and (w, st) != (4, 3):
+                                continue
+                            b_list.append(replace(base, block_n_down=bn, block_k_down=bk, num_warps_down=w,
+                                                  num_stages_down=st, swap_ab_down=sw))
         ok_a, ok_b = [], []
         for c in a_list + b_list:
             try:
@@ -212,7 +215,8 @@ def tune_point(fmt: str, t: int, shape: dict, seed: int = 0, workers: int = 12, 
         total = res["gate_up"][0] + res["down"][0] + align_us
         a, b = res["gate_up"][1], res["down"][1]
         merged = replace(a, block_n_down=b.block_n_down, block_k_down=b.block_k_down,
-                         num_warps_down=b.num_warps_down, num_stages_down=b.num_stages_down)
+                         num_warps_down=b.num_warps_down, num_stages_down=b.num_stages_down,
+                         swap_ab_down=b.swap_ab_down)
         log(f"  {fmt} T={t} block_m={bm}: gate_up {res['gate_up'][0]:.0f} us, down {res['down'][0]:.0f} us, "
             f"align {align_us:.0f} us")
         if best is None or total < best[0]:

@@ -14,7 +14,7 @@ Three kernels:
 import triton
 import triton.language as tl
 
-from ._gemv_triton import _e2m1_scaled, _ue4m3_raw
+from ._gemv_triton import _e2m1_scaled, _nvfp4_pairs, _ue4m3_raw
 
 
 @triton.jit
@@ -37,6 +37,15 @@ def _mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    # acc + a [M, K] @ b [K, N] (fp32 accumulator chained through the MMA)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -86,7 +95,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, stride_x, stride_q, stride_s,
 @triton.jit
 def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
             FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, CDT: tl.constexpr,
-            F8: tl.constexpr, SCALAR_S: tl.constexpr = False):
+            F8: tl.constexpr, SCALAR_S: tl.constexpr = False, ASM: tl.constexpr = False):
     """Weight rows rn [BN] (in range), columns k0 .. k0 + BK of one expert -> (tile [BN, BK], s [BN]).
 
     bf16 / nvfp4 / q8_0: the dequantized values in CDT, s = 1 (nvfp4 values E2M1 * UE4M3 are exact
@@ -102,18 +111,27 @@ def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
             b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :])
         else:
             b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=(rb * 2 < K)[None, :], other=0)
-        b = b.to(tl.int32)
-        lo = _e2m1_scaled(b & 15).to(tl.float32)  # E2M1 * 2^-14, exact
-        hi = _e2m1_scaled(b >> 4).to(tl.float32)
-        w3 = tl.reshape(tl.join(lo, hi), [BN, BK // 16, 16])
         rs = k0 // 16 + tl.arange(0, BK // 16)
         if EVEN_K:
             sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]).to(tl.int32)
         else:
             sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :], mask=(rs * 16 < K)[None, :],
                             other=0).to(tl.int32)
-        sc = _ue4m3_raw(sbyte) * 4194304.0  # 2^22: as gemv's _tile (E2M1 * 2^-14 -> E2M1 * UE4M3)
-        w = tl.reshape(w3 * sc[:, :, None], [BN, BK]).to(CDT)
+        if ASM:  # packed decode (4 bytes -> 8 fp16 per asm block) and fp16 products, all exact:
+            # lo, hi = E2M1 * 2^-14; (v * 2^8) * (raw * 2^14) = v * raw * 2^22 (as below), every
+            # intermediate a normal or exact subnormal fp16 (raw * 2^14 in [2^-3, 30720], products
+            # in [2^-10, 2880], at most 6 significant bits)
+            lo, hi = _nvfp4_pairs(b, True)
+            w3 = tl.reshape(tl.join(lo, hi), [BN, BK // 16, 16]) * 256.0
+            sc = (_ue4m3_raw(sbyte) * 16384.0).to(tl.float16)
+            w = tl.reshape(w3 * sc[:, :, None], [BN, BK]).to(CDT)
+        else:
+            b = b.to(tl.int32)
+            lo = _e2m1_scaled(b & 15).to(tl.float32)  # E2M1 * 2^-14, exact
+            hi = _e2m1_scaled(b >> 4).to(tl.float32)
+            w3 = tl.reshape(tl.join(lo, hi), [BN, BK // 16, 16])
+            sc = _ue4m3_raw(sbyte) * 4194304.0  # 2^22: as gemv's _tile (E2M1 * 2^-14 -> E2M1 * UE4M3)
+            w = tl.reshape(w3 * sc[:, :, None], [BN, BK]).to(CDT)
     else:
         rk = k0 + tl.arange(0, BK)
         if EVEN_K:
@@ -152,14 +170,18 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
                         FMT: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BK: tl.constexpr, U: tl.constexpr,
                         GROUP_M: tl.constexpr, CDT: tl.constexpr, F8IN: tl.constexpr, F8OUT: tl.constexpr,
                         HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
-                        SCALAR_S: tl.constexpr = False):
+                        SCALAR_S: tl.constexpr = False, SWAP: tl.constexpr = False):
     """act[pos, j] = min(silu(g), limit) * clamp(u, +-limit) for the BM sorted positions pos of
     row block pid_m (one expert e, or -1: nothing to do) and act columns j = pid_a * BA .. + BA,
     g / u = x[pair // topk] . W_e[gate / up row of j]. W: fused bank [E, 2I, K], rows interleaved
     in blocks of U (gate row of j: (j // U) * 2U + j % U, up row: that + U).
     F8IN: x is E4M3 codes with fp32 scales per 1x128 group (xs), W fp8: FP8 x FP8 dots, both
     scales applied per 128-K step. F8OUT: act written as E4M3 codes + one scale per 1x128 group
-    (BA a multiple of 128); else act in CDT."""
+    (BA a multiple of 128); else act in CDT.
+    SWAP (not with F8IN / F8OUT): the transposed products W x^T, [BA, BM] accumulators: the
+    dequantized weight tile is the MMA's first operand, which Hopper's wgmma reads from registers
+    (no round trip of the dequantized tile through shared memory), and the BM pair rows are the
+    MMA's N (16..256) instead of its M (>= 64 per warp group)."""
     pid = tl.program_id(0)
     num_a = tl.cdiv(I, BA)
     pid_m, pid_a = _swizzle(pid, num_m, num_a, GROUP_M)
@@ -178,8 +200,12 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
         e64 = e.to(tl.int64)
         wb = w_ptr + e64 * stride_we
         sb = ws_ptr + e64 * stride_se
-        acc_g = tl.zeros([BM, BA], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BA], dtype=tl.float32)
+        if SWAP:
+            acc_g = tl.zeros([BA, BM], dtype=tl.float32)
+            acc_u = tl.zeros([BA, BM], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BM, BA], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BA], dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             if EVEN_K:
@@ -189,11 +215,16 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
             xa = tl.load(x_ptr + tok[:, None] * stride_x + rk[None, :], mask=xm, other=0.0)
             if not F8IN:
                 xa = xa.to(CDT)
-            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S)
-            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S)
-            pg = _mm(xa, tl.trans(wg), IEEE)
-            pu = _mm(xa, tl.trans(wu), IEEE)
-            if FMT == 1 and SCALAR_S:  # one FMA per accumulator element: row scale x block scale
+            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
+                             not EXACT)
+            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
+                             not EXACT)
+            if SWAP:
+                acc_g = _mma(wg, tl.trans(xa), acc_g, IEEE)
+                acc_u = _mma(wu, tl.trans(xa), acc_u, IEEE)
+            elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element: row scale x block scale
+                pg = _mm(xa, tl.trans(wg), IEEE)
+                pu = _mm(xa, tl.trans(wu), IEEE)
                 bg = _block_scale(sb, rg0, k0, stride_sn)
                 bu = _block_scale(sb, rg0 + U, k0, stride_sn)
                 if F8IN:
@@ -204,6 +235,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
                     acc_g += pg * bg
                     acc_u += pu * bu
             elif FMT == 1:
+                pg = _mm(xa, tl.trans(wg), IEEE)
+                pu = _mm(xa, tl.trans(wu), IEEE)
                 if F8IN:
                     xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
                     acc_g += pg * xs[:, None] * sg[None, :]
@@ -212,8 +245,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
                     acc_g += pg * sg[None, :]
                     acc_u += pu * su[None, :]
             else:
-                acc_g += pg
-                acc_u += pu
+                acc_g = _mma(xa, tl.trans(wg), acc_g, IEEE)
+                acc_u = _mma(xa, tl.trans(wu), acc_u, IEEE)
         a = acc_g * tl.sigmoid(acc_g)
         if HAS_LIMIT:
             a = tl.minimum(a, limit)
@@ -221,7 +254,10 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
         a = a * acc_u
         rm64 = rm.to(tl.int64)
         sm = valid[:, None] & (j < I)[None, :]
-        if F8OUT:
+        if SWAP:  # a is [BA, BM]
+            tl.store(act_ptr + rm64[None, :] * stride_a + j[:, None], a.to(act_ptr.dtype.element_ty),
+                     mask=(j < I)[:, None] & valid[None, :])
+        elif F8OUT:
             q, s = _quant_groups(a, BM, BA, EXACT)
             tl.store(act_ptr + rm64[:, None] * stride_a + j[None, :], q, mask=sm)
             rg2 = pid_a * (BA // 128) + tl.arange(0, BA // 128)
@@ -237,11 +273,14 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
                      stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      CDT: tl.constexpr, F8: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr, SCALAR_S: tl.constexpr = False):
+                     IEEE: tl.constexpr, SCALAR_S: tl.constexpr = False, SWAP: tl.constexpr = False,
+                     ASM: tl.constexpr = False):
     """For the BM sorted positions pos of row block pid_m (expert e; -1: nothing to do) and
     output columns n = pid_n * BN .. + BN: v = weight[pair] * act[pos] . W_e[n]; ATOMIC: fp32
     atomic add into y[pair // topk, n]; else stored to y[pair, n] (per-pair rows).
-    F8: act is E4M3 codes with per-1x128 scales (as_ptr), W fp8: FP8 x FP8 dots."""
+    F8: act is E4M3 codes with per-1x128 scales (as_ptr), W fp8: FP8 x FP8 dots.
+    SWAP (not with fp8 weights): the transposed product W act^T, a [BN, BM] accumulator (as
+    kernel A's SWAP)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     pid_m, pid_n = _swizzle(pid, num_m, num_n, GROUP_M)
@@ -257,7 +296,10 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
         e64 = e.to(tl.int64)
         wb = w_ptr + e64 * stride_we
         sb = ws_ptr + e64 * stride_se
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             if EVEN_K:
@@ -267,9 +309,11 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
             a = tl.load(a_ptr + rm64[:, None] * stride_a + rk[None, :], mask=am, other=0.0)
             if not F8:
                 a = a.to(CDT)
-            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8, SCALAR_S)
-            p = _mm(a, tl.trans(w), IEEE)
-            if FMT == 1 and SCALAR_S:  # one FMA per accumulator element
+            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8, SCALAR_S, ASM)
+            if SWAP:
+                acc = _mma(w, tl.trans(a), acc, IEEE)
+            elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element
+                p = _mm(a, tl.trans(w), IEEE)
                 bs = _block_scale(sb, pid_n * BN, k0, stride_sn)
                 if F8:
                     asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
@@ -277,19 +321,30 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
                 else:
                     acc += p * bs
             elif FMT == 1:
+                p = _mm(a, tl.trans(w), IEEE)
                 if F8:
                     asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
                     acc += p * asc[:, None] * s[None, :]
                 else:
                     acc += p * s[None, :]
             else:
-                acc += p
+                acc = _mma(a, tl.trans(w), acc, IEEE)
         wt = tl.load(wt_ptr + pair, mask=valid, other=0.0)
-        acc = acc * wt[:, None]
-        om = valid[:, None] & n_ok[None, :]
-        if ATOMIC:
-            tok = tl.where(valid, pair // topk, 0).to(tl.int64)
-            tl.atomic_add(y_ptr + tok[:, None] * stride_y + rn[None, :], acc, mask=om, sem="relaxed")
+        if SWAP:  # acc is [BN, BM]
+            acc = acc * wt[None, :]
+            om = n_ok[:, None] & valid[None, :]
+            if ATOMIC:
+                tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+                tl.atomic_add(y_ptr + tok[None, :] * stride_y + rn[:, None], acc, mask=om, sem="relaxed")
+            else:
+                p64 = tl.where(valid, pair, 0).to(tl.int64)
+                tl.store(y_ptr + p64[None, :] * stride_y + rn[:, None], acc, mask=om)
         else:
-            p64 = tl.where(valid, pair, 0).to(tl.int64)
-            tl.store(y_ptr + p64[:, None] * stride_y + rn[None, :], acc, mask=om)
+            acc = acc * wt[:, None]
+            om = valid[:, None] & n_ok[None, :]
+            if ATOMIC:
+                tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+                tl.atomic_add(y_ptr + tok[:, None] * stride_y + rn[None, :], acc, mask=om, sem="relaxed")
+            else:
+                p64 = tl.where(valid, pair, 0).to(tl.int64)
+                tl.store(y_ptr + p64[:, None] * stride_y + rn[None, :], acc, mask=om)

@@ -240,6 +240,9 @@ class MoePrefillConfig:
         1x128 group); False: E4M3 codes converted to x's dtype (exact weights, no activation
         rounding beyond x's dtype). Ignored for other formats.
     combine: "atomic" (fp32 atomics into [T, D]) or "sum" (per-pair rows, deterministic sum).
+    swap_ab / swap_ab_down (None: swap_ab): kernel A / B computes the transposed product
+    ``W x^T`` (weight tile as the MMA's first operand, read by wgmma from registers right after
+    the in-kernel dequantization; pair rows as the MMA's N, 16..256); not for fp8 banks.
     """
 
     block_m: int = 64
@@ -254,6 +257,8 @@ class MoePrefillConfig:
     combine: str = "atomic"
     num_warps_down: int | None = None
     num_stages_down: int | None = None
+    swap_ab: bool = False
+    swap_ab_down: bool | None = None
 
 
 TUNED_TABLE = Path(__file__).with_name("moe_prefill_tuned.json")
@@ -353,6 +358,11 @@ def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: 
     if (cfg.combine not in ("atomic", "sum") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1
             or (cfg.num_warps_down or 1) < 1 or (cfg.num_stages_down or 1) < 1):
         raise ValueError(f"moe_prefill: invalid config {cfg}")
+    for bank, sw, what in ((gate_up, cfg.swap_ab, "swap_ab"),
+                           (down, cfg.swap_ab if cfg.swap_ab_down is None else cfg.swap_ab_down, "swap_ab_down")):
+        if sw and bank.fmt == "fp8":
+            raise ValueError(f"moe_prefill: {what} is not implemented for fp8 banks (their 128-K block scales "
+                             f"scale the product's rows and columns)")
     if f8 and cfg.block_n % 128:
         raise ValueError(f"moe_prefill: the fp8 recipe quantizes act in 1x128 groups inside kernel A: block_n = "
                          f"{cfg.block_n} must be a multiple of 128 (or fp8_act=False)")
@@ -482,7 +492,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             FMT=_FMT_ID[gate_up.fmt], BM=bm, BA=cfg.block_n, BK=cfg.block_k, U=gate_up.interleave,
             GROUP_M=cfg.group_m, CDT=tl_cdt, F8IN=f8in, F8OUT=f8dn, HAS_LIMIT=limit is not None,
             EVEN_K=(d % cfg.block_k == 0), IEEE=ieee and not f8in, EXACT=exact,
-            SCALAR_S=_scalar_scale(gate_up, cfg.block_n), num_warps=cfg.num_warps,
+            SCALAR_S=_scalar_scale(gate_up, cfg.block_n), SWAP=cfg.swap_ab, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
 
     def down_launch():
@@ -498,6 +508,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             act.stride(0), sas, swe, swn, sse, ssn, acc.stride(0),
             FMT=_FMT_ID[down.fmt], BM=bm, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=tl_cdt, F8=f8dn, ATOMIC=atomic,
             EVEN_K=(i % bk2 == 0), IEEE=ieee and not f8dn, SCALAR_S=_scalar_scale(down, bn2),
+            SWAP=cfg.swap_ab if cfg.swap_ab_down is None else cfg.swap_ab_down, ASM=not exact,
             num_warps=cfg.num_warps_down or cfg.num_warps,
             num_stages=cfg.num_stages_down or cfg.num_stages)
         if atomic:
@@ -575,7 +586,7 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
     a_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BA=cfg.block_n, BK=cfg.block_k, U=128 if fmt == "fp8" else 16,
                    GROUP_M=cfg.group_m, CDT=cdt, F8IN=f8, F8OUT=f8, HAS_LIMIT=True, EVEN_K=d % cfg.block_k == 0,
                    IEEE=x_dtype == "fp32" and not f8, EXACT=False,
-                   SCALAR_S=fmt == "fp8" and 128 % cfg.block_n == 0)
+                   SCALAR_S=fmt == "fp8" and 128 % cfg.block_n == 0, SWAP=cfg.swap_ab)
     we, wn, se, sn = strides(d, i)
     b_sig = dict(a_ptr=xp, as_ptr="*fp32" if f8 else xp, w_ptr=wptr, ws_ptr=sptr, y_ptr="*fp32", ids_ptr="*i32",
                  bexp_ptr="*i32", wt_ptr="*fp32")
@@ -583,7 +594,8 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
                  stride_we=we, stride_wn=wn, stride_se=se, stride_sn=sn, stride_y=d)
     b_const = dict(FMT=_FMT_ID[fmt], BM=cfg.block_m, BN=bn2, BK=bk2, GROUP_M=cfg.group_m, CDT=cdt, F8=f8,
                    ATOMIC=cfg.combine == "atomic", EVEN_K=i % bk2 == 0, IEEE=x_dtype == "fp32" and not f8,
-                   SCALAR_S=fmt == "fp8" and 128 % bn2 == 0)
+                   SCALAR_S=fmt == "fp8" and 128 % bn2 == 0,
+                   SWAP=cfg.swap_ab if cfg.swap_ab_down is None else cfg.swap_ab_down, ASM=True)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     out = {}
     opts = {"gate_up": dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
