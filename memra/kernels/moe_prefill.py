@@ -52,11 +52,20 @@ with IEEE (non-TF32) dots, exact weights):
   error per GEMM (3 mantissa bits); :func:`moe_prefill_ref` with ``fp8_act=True`` emulates it
   exactly (same groups, same rounding), for tight tests.
 
-Verified on the CPU under the Triton interpreter only (tests/test_kernels_moe_prefill.py), plus
-an sm_90 compile of the default configurations without a GPU (:func:`sm90_compile_report`:
-wgmma, cp.async pipelining, no spills at T = 4096). GPU correctness at the flagship shape,
-CUDA-graph capture and speed are NOT yet measured (tests marked ``gpu``,
-:func:`benchmark_moe_prefill`), and :func:`default_prefill_config` is untuned.
+Kernel details that matter for speed (H200, measured): fp8 tiles whose rows lie in one 128-row
+scale block load one block scale per K step and fold it with the activation scale into one FMA
+per accumulator element (``SCALAR_S``: the gate+up loop went from 343 to 215 SASS instructions,
+no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are decoded by the packed asm of
+:mod:`memra.kernels._gemv_triton` and scaled in fp16 (exact); ``swap_ab`` (transposed products,
+the dequantized tile as wgmma's register operand) is available for the non-fp8 formats but lost
+every tuning point. Launch configurations come from the H200 tuning table
+(:data:`TUNED_TABLE`, written by ``memra bench moe-grouped --tune``, :mod:`memra.bench.moe_tune`).
+
+Verified on the CPU under the Triton interpreter (tests/test_kernels_moe_prefill.py) and on the
+H200 at the flagship shape (tests marked ``gpu``: T = 512 and 4096, skewed and uniform routing
+with experts that get no rows, nvfp4 / fp8 / bf16, both combines, swap_ab, CUDA-graph capture; max
+relative error <= 1e-2 vs :func:`moe_prefill_ref`, fp8 vs its exact emulation of the recipe).
+Speed: ``memra bench moe-grouped`` (benchmarks/results/moe-grouped-h200.json).
 """
 
 from __future__ import annotations
@@ -303,15 +312,13 @@ def default_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int
                            d: int = 4096, tuned: bool = True) -> MoePrefillConfig:
     """The launch configuration :func:`moe_prefill` uses: with ``tuned``, the H200 tuning
     table's entry for this format and shape (:func:`tuned_prefill_config`) when there is one;
-    otherwise these heuristic Hopper defaults: block_m from the mean
-    rows per expert (16 / 32 / 64 / 128, to bound the padding of a few hundred tokens over 288
-    experts), block_k 128 (K steps of one fp8 scale block), kernel A 64 act columns (128 weight
-    rows), kernel B 128 x 128, 4 warps, 3 stages; the fp8 recipe (when D and I are multiples of
-    128) with kernel A at 128 act columns (its act quantization needs whole 128-groups), block_k
-    64, block_m <= 64, 8 warps, 4 stages. Checked only by :func:`sm90_compile_report` (CPU, Triton 3.6, sm_90):
-    at T = 4096 (block_m 64) every kernel uses wgmma and cp.async pipelining without spills
-    (fp8 kernel A at block_k 128 spilled 16 bytes; at block_m 128, 888). Blocks are shrunk for
-    tiny shapes (tests) so that they do not exceed D or I."""
+    otherwise these heuristic Hopper defaults (the tuning's starting point): block_m from the
+    mean rows per expert (16 / 32 / 64 / 128, to bound the padding of a few hundred tokens over
+    288 experts), block_k 128, kernel A 64 act columns (128 weight rows), kernel B 128 x 128,
+    4 warps, 3 stages; the fp8 recipe (when D and I are multiples of 128) with kernel A at 128
+    act columns (its act quantization needs whole 128-groups), block_k 64, block_m <= 64,
+    8 warps, 4 stages. Blocks are shrunk for tiny shapes (tests) so that they do not exceed D
+    or I. ``tuned=False``: always the heuristic (the tuner's baseline)."""
     if fmt not in _FMT_ID:
         raise ValueError(f"default_prefill_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
     if tuned:
