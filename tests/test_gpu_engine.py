@@ -40,8 +40,8 @@ def _ref_logits(model, ids: list[int]) -> torch.Tensor:
 
 def _paged_run(model, ids: list[int], n_prefill: int, device) -> torch.Tensor:
     """Logits of every position of ``ids``: the first ``n_prefill`` by two prefill chunks through
-    PagedBatch (the first, fresh, by torch SDPA; the second, after a cached prefix, by the paged
-    Triton flash kernel), then one token per step through DecodeKV (the graph path's kv, eagerly)."""
+    PagedBatch (the paged Triton flash kernel; the second chunk after a cached prefix), then one
+    token per step through DecodeKV (the graph path's kv, run eagerly)."""
     from memra.engine.cuda_graph import DecodeKV
 
     cfg = model.config
@@ -87,10 +87,10 @@ def test_gpu_path_under_interpreter_matches_cpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
 def test_paged_batch_kernel_paths_match_the_sdpa_path():
-    """PagedBatch with use_kernels (fresh single sequence: torch SDPA on the step's K/V; chunked
-    or mixed steps, or a window shorter than the chunk: the paged Triton flash kernel; both with
-    the head gate fused) vs the CPU path (SDPA over gathered pages with masks, gate applied
-    after), on random K/V written into shuffled pages, fp32."""
+    """PagedBatch with use_kernels (the paged Triton flash kernel, head gate fused) vs the CPU path
+    (SDPA over gathered pages with masks, gate applied after) on a fresh prefill, a chunk after a
+    cached prefix and a mixed decode + prefill step, with and without a sliding window; random
+    K/V written into shuffled pages, fp32."""
     from memra.engine.block_manager import KVGroupSpec
 
     g = torch.Generator().manual_seed(4)
@@ -102,8 +102,8 @@ def test_paged_batch_kernel_paths_match_the_sdpa_path():
             t.copy_(torch.randn(t.shape, generator=g))
         perm = torch.randperm(40, generator=g).tolist()
         steps = [
-            [SeqChunk(0, 9, [perm[0:3]])],  # fresh: SDPA (window None) / Triton (window 5 < 9)
-            [SeqChunk(9, 6, [perm[0:4]])],  # chunk after a 9-token prefix: Triton
+            [SeqChunk(0, 9, [perm[0:3]])],  # fresh
+            [SeqChunk(9, 6, [perm[0:4]])],  # chunk after a 9-token prefix
             [SeqChunk(15, 1, [perm[0:4]]), SeqChunk(0, 7, [perm[10:12]]), SeqChunk(3, 5, [perm[20:22]])],  # mixed
         ]
         for chunks in steps:

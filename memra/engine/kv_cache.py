@@ -127,10 +127,8 @@ class PagedBatch:
     prefill chunk attends over its cached prefix plus itself. Slot mappings, gather
     indices and masks are built once per group here and reused by every layer.
 
-    With ``use_kernels`` (default: when the cache is on a CUDA device) a step of one fresh
-    sequence (no cached prefix, no sliding window shorter than it) is attended by torch SDPA's
-    causal kernel on the step's own K/V; otherwise every sequence of the step, decode rows
-    included, is attended by one varlen launch of the Triton flash kernel
+    With ``use_kernels`` (default: when the cache is on a CUDA device) every sequence of the step,
+    decode rows included, is attended by one varlen launch of the Triton flash kernel
     :func:`memra.kernels.attention_prefill.paged_prefill_attention`, which reads K/V straight
     from the pages (no gather, no mask tensors, no O(T^2) memory) and applies the Step-3.5 head
     gate in its epilogue (``fuses_gate``); the step's K/V are written by the fused
@@ -159,11 +157,6 @@ class PagedBatch:
             cu = torch.tensor(offsets + [o], dtype=torch.int32).to(dev)
             lens = torch.tensor([c.start + c.num_new for c in chunks], dtype=torch.int32).to(dev)
             self.varlen = (cu, lens, max((c.num_new for c in chunks), default=0))
-            # one sequence with no cached prefix: the step's own K/V are all it attends to, so
-            # torch SDPA's causal flash kernel on them fits (contiguous, no pages) where no window
-            # cuts the chunk; measured on the H200 at 4096 tokens, H 64 / KV 8: 476 us vs the
-            # paged Triton kernel's 728 us
-            self.fresh = len(chunks) == 1 and chunks[0].start == 0 and chunks[0].num_new > 1
 
         for gi, g in enumerate(cache.groups):
             tables = [torch.tensor(c.block_tables[gi], dtype=torch.long) for c in chunks]
@@ -216,13 +209,6 @@ class PagedBatch:
             slots, table = self.per_group[gi]
             kc, vc = cache.k[layer], cache.v[layer]
             kv_write(k, v, kc, vc, slots)
-            if self.fresh and (window is None or window >= q.shape[0]) and k.dtype == q.dtype:
-                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                   v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                   enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
-                if gate is None:
-                    return o
-                return (o.float() * torch.sigmoid(gate.float())[..., None]).to(o.dtype)  # one rounding
             cu, lens, max_q = self.varlen
             return paged_prefill_attention(q, kc, vc, table, cu, lens, window, scale, gate=gate, max_q_len=max_q)
         if gate is not None:
