@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-__all__ = ["run_decode_bench", "add_decode_args", "run_from_args"]
+__all__ = ["run_decode_bench", "add_decode_args", "run_from_args", "phase_fns"]
 
 
 def _time(fn, reps: int = 20, warm: int = 3) -> float:
@@ -218,8 +218,12 @@ def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_byte
     return row
 
 
-def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
-    """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
+def phase_fns(model, ids, pos, kv) -> tuple[dict, object, list[int]]:
+    """One real unfused forward of ``ids`` at ``pos`` through ``kv`` (the inputs of every phase),
+    then per phase a closure that runs that phase's modules over all layers on those inputs:
+    {"attention", "router", "routed_experts", "shared_experts", "dense_mlp"}. Returns (closures,
+    the last hidden states [T, D], distinct experts routed per MoE layer). Shared by
+    ``memra bench decode`` and ``memra bench prefill``."""
     import torch
 
     from ..models.step3p5 import MoE
@@ -233,44 +237,49 @@ def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]
             x = x + layer.attn(layer.attn_norm(x), *tab, kv)
             h = layer.ffn_norm(x)
             ins_mlp.append(h)
-            if isinstance(layer.mlp, MoE):
-                routes.append(layer.mlp.route(h))
-            else:
-                routes.append(None)
+            routes.append(layer.mlp.route(h) if isinstance(layer.mlp, MoE) else None)
             x = x + layer.mlp(h)
-        hidden_last = x
-        distinct = [int(r[0].unique().numel()) for r in routes if r is not None]
+    distinct = [int(r[0].unique().numel()) for r in routes if r is not None]
 
-        def attention():
-            for layer, (xi, (cos, sin)) in zip(layers, ins_attn):
-                layer.attn(layer.attn_norm(xi), cos, sin, kv)
+    def attention():
+        for layer, (xi, (cos, sin)) in zip(layers, ins_attn):
+            layer.attn(layer.attn_norm(xi), cos, sin, kv)
 
-        def router():
-            for layer, h in zip(layers, ins_mlp):
-                if isinstance(layer.mlp, MoE):
-                    layer.mlp.route(h)
+    def router():
+        for layer, h in zip(layers, ins_mlp):
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.route(h)
 
-        def routed():
-            for layer, h, r in zip(layers, ins_mlp, routes):
-                if r is not None:
-                    layer.mlp.experts(h, *r)
+    def routed():
+        for layer, h, r in zip(layers, ins_mlp, routes):
+            if r is not None:
+                layer.mlp.experts(h, *r)
 
-        def shared():
-            for layer, h in zip(layers, ins_mlp):
-                if isinstance(layer.mlp, MoE) and layer.mlp.shared is not None:
-                    layer.mlp.shared(h)
+    def shared():
+        for layer, h in zip(layers, ins_mlp):
+            if isinstance(layer.mlp, MoE) and layer.mlp.shared is not None:
+                layer.mlp.shared(h)
 
-        def dense():
-            for layer, h in zip(layers, ins_mlp):
-                if not isinstance(layer.mlp, MoE):
-                    layer.mlp(h)
+    def dense():
+        for layer, h in zip(layers, ins_mlp):
+            if not isinstance(layer.mlp, MoE):
+                layer.mlp(h)
 
+    return (dict(attention=attention, router=router, routed_experts=routed, shared_experts=shared, dense_mlp=dense),
+            x, distinct)
+
+
+def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
+    """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
+    import torch
+
+    fns, hidden_last, distinct = phase_fns(model, ids, pos, kv)
+    with torch.inference_mode():
         def head():
             model.logits(model.norm(hidden_last))
 
         out = {}
-        for name, fn in (("attention", attention), ("router", router), ("routed_experts", routed),
-                         ("shared_experts", shared), ("dense_mlp", dense), ("head", head)):
+        for name, fn in list(fns.items()) + [("head", head)]:
             g = _graph(fn)
             out[name] = _time(g.replay, reps=reps)
             del g

@@ -704,8 +704,8 @@ def add_moe_grouped_args(p: argparse.ArgumentParser) -> None:
                    help="first tune the tile configurations for --formats at --t on skewed routing "
                         "(memra/bench/moe_tune.py) and write them to --tune-out; the bench then uses them")
     p.add_argument("--tune-out", default=None,
-                   help="tuning table to write (default: the one moe_prefill reads, "
-                        "memra/kernels/moe_prefill_tuned.json)")
+                   help="tuning table to write; when not given, the one moe_prefill reads "
+                        "(memra/kernels/moe_prefill_tuned.json, checked in)")
     p.add_argument("--tune-workers", type=int, default=None, help="processes compiling candidates in parallel")
     p.add_argument("--tune-only", action="store_true", help="with --tune: skip the bench afterwards")
 

@@ -84,6 +84,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .decode import _time  # median ms of an eager GPU call, CUDA events
+
 __all__ = ["EXPERT_FORMATS", "visible_keys", "keys_read", "gemm_cost", "prefill_roofline", "check_args",
            "chunk_inputs", "run_prefill_bench", "print_table", "add_prefill_args", "run_from_args", "main"]
 
@@ -306,24 +308,6 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 # GPU
 
 
-def _time(fn, reps: int, warm: int = 2) -> float:
-    """Median ms of ``fn()`` (GPU work, eager) over ``reps`` calls after ``warm``, CUDA events."""
-    import torch
-
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
-
-
 def _sync() -> None:
     import torch
 
@@ -487,58 +471,22 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
 
 def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
     """ms per phase (each phase's modules over all layers, run alone, eager) on the inputs of one
-    real unfused forward, and the distinct experts each MoE layer routed the chunk to."""
+    real unfused forward (:func:`memra.bench.decode.phase_fns`), and the distinct experts each
+    MoE layer routed the chunk to."""
     import torch
 
-    from ..models.step3p5 import MoE
+    from .decode import phase_fns
 
-    layers = model.layers
+    fns, hidden, distinct = phase_fns(model, ids, pos, kv)
     with torch.inference_mode():
-        x = model.embed(ids)
-        ins_attn, ins_mlp, routes = [], [], []
-        for layer, tab in zip(layers, model.rope_tables(pos, x.dtype)):
-            ins_attn.append((x, tab))
-            x = x + layer.attn(layer.attn_norm(x), *tab, kv)
-            h = layer.ffn_norm(x)
-            ins_mlp.append(h)
-            routes.append(layer.mlp.route(h) if isinstance(layer.mlp, MoE) else None)
-            x = x + layer.mlp(h)
-        hidden = x
-        distinct = [int(r[0].unique().numel()) for r in routes if r is not None]
-
         def embed():
             model.embed(ids)
-
-        def attention():
-            for layer, (xi, (cos, sin)) in zip(layers, ins_attn):
-                layer.attn(layer.attn_norm(xi), cos, sin, kv)
-
-        def router():
-            for layer, h in zip(layers, ins_mlp):
-                if isinstance(layer.mlp, MoE):
-                    layer.mlp.route(h)
-
-        def routed():
-            for layer, h, r in zip(layers, ins_mlp, routes):
-                if r is not None:
-                    layer.mlp.experts(h, *r)
-
-        def shared():
-            for layer, h in zip(layers, ins_mlp):
-                if isinstance(layer.mlp, MoE) and layer.mlp.shared is not None:
-                    layer.mlp.shared(h)
-
-        def dense():
-            for layer, h in zip(layers, ins_mlp):
-                if not isinstance(layer.mlp, MoE):
-                    layer.mlp(h)
 
         def head():
             model.logits(model.norm(hidden)[-1:])
 
         res = {}
-        for name, fn in (("embed", embed), ("attention", attention), ("router", router), ("routed_experts", routed),
-                         ("shared_experts", shared), ("dense_mlp", dense), ("head", head)):
+        for name, fn in [("embed", embed)] + list(fns.items()) + [("head", head)]:
             res[name] = _time(fn, reps, warm=1)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
