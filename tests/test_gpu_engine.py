@@ -104,7 +104,10 @@ def test_paged_batch_kernel_paths_match_the_sdpa_path():
         steps = [
             [SeqChunk(0, 9, [perm[0:3]])],  # fresh
             [SeqChunk(9, 6, [perm[0:4]])],  # chunk after a 9-token prefix
-            [SeqChunk(15, 1, [perm[0:4]]), SeqChunk(0, 7, [perm[10:12]]), SeqChunk(3, 5, [perm[20:22]])],  # mixed
+            # mixed: a decode row (with a window of 5, its pages before the window released: -1),
+            # a fresh prefill and a chunk after a prefix; block tables of different widths
+            [SeqChunk(15, 1, [([-1, -1] if window else perm[0:2]) + perm[2:4]]), SeqChunk(0, 7, [perm[10:12]]),
+             SeqChunk(3, 5, [perm[20:22]])],
         ]
         for chunks in steps:
             n = sum(c.num_new for c in chunks)

@@ -236,6 +236,24 @@ def test_uneven_k_and_tiles(fmt, swap):
         assert _rel(y, moe_decode_ref(x, index, weight, gu, down, None)) <= 1e-5
 
 
+@pytest.mark.parametrize("bn, bn2", [(128, 128), (256, 256), (128, 64)])
+def test_fp8_scale_paths(bn, bn2):
+    """fp8 banks at I = D = 256: several kernel-A programs per row block (one block scale per tile,
+    SCALAR_S, at a column offset), tiles spanning two 128-row scale blocks (per-row scales), and
+    down tiles inside one block; the FP8 recipe and exact E4M3 weights, vs the emulating reference."""
+    d = 256
+    gu, down = _banks("fp8", 256, d=d, seed=12)
+    g = torch.Generator().manual_seed(13)
+    index, weight = _routing(12, 3, "skewed", g)
+    x = torch.randn(12, d, generator=g)
+    for f8 in (True, False):
+        cfg = MoePrefillConfig(block_m=16, block_n=bn, block_k=64, block_n_down=bn2, block_k_down=64,
+                               fp8_act=f8, num_warps=4, num_stages=2)
+        y = moe_prefill(x, index, weight, gu, down, 0.5, config=cfg)
+        r = moe_prefill_ref(x, index, weight, gu, down, 0.5, fp8_act=f8)
+        assert _rel(y, r) <= 1e-5, (bn, bn2, f8, _rel(y, r))
+
+
 def test_fp8_activation_quantization():
     """The kernels' E4M3 rounding (exact emulation under the interpreter, whose own fp32 -> fp8
     cast is wrong at binade carries) vs torch's cast, through the x-quantization kernel."""
@@ -288,6 +306,49 @@ def test_config_validation_and_defaults():
         default_prefill_config("int4", 8)
     with pytest.raises(ValueError, match="swap_ab is not implemented for fp8"):
         moe_prefill(x, index, w, gu, down, None, config=_cfg("fp8", 128, swap_ab=True))
+    g16, _ = _banks("bf16", 128, seed=11)  # bf16 gate_up, fp8 down: kernel A writes the fp8 act
+    with pytest.raises(ValueError, match="fp8 down recipe"):
+        moe_prefill(x, index, w, g16, down, None, config=_cfg("fp8", 128, swap_ab=True, swap_ab_down=False))
+
+
+def test_tuned_table_lookup_and_tuner_candidates(tmp_path, monkeypatch):
+    """default_prefill_config takes the tuned entry nearest in log2(T) for the flagship shape, the
+    heuristic elsewhere; a malformed table is refused naming the file; the tuner's candidates are
+    valid configs, without swap_ab for fp8."""
+    import json
+
+    import memra.kernels.moe_prefill as mp
+    from memra.bench.moe_grouped import FLAGSHIP
+    from memra.bench.moe_tune import candidates
+
+    table = {"configs": {mp.table_key("nvfp4", 8, 288, 1280, 4096): [
+        {"t": 512, "config": {"block_m": 16, "block_n": 128}},
+        {"t": 4096, "config": {"block_m": 128, "block_n": 64, "swap_ab": True}}]}}
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps(table))
+    monkeypatch.setattr(mp, "TUNED_TABLE", f)
+    mp.tuned_table.cache_clear()
+    try:
+        assert default_prefill_config("nvfp4", 1).block_m == 16
+        assert default_prefill_config("nvfp4", 1400).block_m == 16  # log2: nearer 512 than 4096
+        c = default_prefill_config("nvfp4", 1500)
+        assert (c.block_m, c.block_n, c.swap_ab) == (128, 64, True)
+        assert default_prefill_config("nvfp4", 65536).block_m == 128
+        assert default_prefill_config("nvfp4", 4096, d=2048).swap_ab is False  # another shape: heuristic
+        assert mp.tuned_prefill_config("fp8", 4096) is None
+        f.write_text(json.dumps({"configs": {"x": [{"t": 0, "config": {}}]}}))
+        mp.tuned_table.cache_clear()
+        with pytest.raises(ValueError, match="tuned.json"):
+            default_prefill_config("nvfp4", 64)
+    finally:
+        mp.tuned_table.cache_clear()
+    for fmt in ("fp8", "nvfp4"):
+        c = candidates(fmt, 4096, FLAGSHIP, quick=True)
+        assert set(c) == {64, 128}
+        for v in c.values():
+            cfgs = v["a"] + v["b"]
+            assert cfgs and all(x.block_m in c for x in cfgs)
+            assert any(x.swap_ab or x.swap_ab_down for x in cfgs) == (fmt != "fp8")
 
 
 def test_sm90_compile_of_the_defaults():

@@ -621,6 +621,10 @@ def parse_args_checked(a: argparse.Namespace) -> dict:
     for name in ("reps",):
         if getattr(a, name) < 1:
             raise SystemExit(f"memra bench moe-grouped: --{name} must be >= 1")
+    if getattr(a, "tune_workers", None) is not None and a.tune_workers < 1:
+        raise SystemExit("memra bench moe-grouped: --tune-workers must be >= 1")
+    if (getattr(a, "tune_only", False) or getattr(a, "tune_out", None)) and not getattr(a, "tune", False):
+        raise SystemExit("memra bench moe-grouped: --tune-only and --tune-out need --tune")
     return dict(ts=tuple(ts), formats=formats, routings=routings, config=config)
 
 
@@ -702,7 +706,8 @@ def add_moe_grouped_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default=None, help="write the result JSON here")
     p.add_argument("--tune", action="store_true",
                    help="first tune the tile configurations for --formats at --t on skewed routing "
-                        "(memra/bench/moe_tune.py) and write them to --tune-out; the bench then uses them")
+                        "(memra/bench/moe_tune.py) and write them to --tune-out; the bench then uses them "
+                        "when they went to the table moe_prefill reads (no --tune-out)")
     p.add_argument("--tune-out", default=None,
                    help="tuning table to write; when not given, the one moe_prefill reads "
                         "(memra/kernels/moe_prefill_tuned.json, checked in)")

@@ -19,8 +19,8 @@ Measured, in this order, in one run:
   physical blocks shuffled, the prefix's K/V random bf16), exactly as the engine runs a
   prefill chunk: ``hidden = model(ids, positions, PagedBatch(cache, [SeqChunk(prefix, T,
   [table] * groups)]))`` then ``model.logits(hidden[-1:])``, eagerly (no CUDA graph: the
-  engine runs prefill eagerly), timed with CUDA events, median of ``--reps`` after two warm-up
-  calls. The PagedBatch (slot mappings, key indices, masks: nothing that a call changes; the
+  engine runs prefill eagerly), timed with CUDA events, median of ``--reps`` after warm-up
+  calls. The PagedBatch (slot mappings, block tables, sequence offsets: nothing that a call changes; the
   chunk's K/V are rewritten to the same slots each call) is built once outside the timing.
   Reported: ms per chunk and tokens/s;
 - the phase split: on the inputs of one real (unfused) forward of the chunk, each phase's

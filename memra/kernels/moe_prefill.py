@@ -58,7 +58,7 @@ per accumulator element (``SCALAR_S``: the gate+up loop went from 343 to 215 SAS
 no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are decoded by the packed asm of
 :mod:`memra.kernels._gemv_triton` and scaled in fp16 (exact); ``swap_ab`` (transposed products,
 the dequantized tile as wgmma's register operand) is available for the non-fp8 formats but lost
-every tuning point. Launch configurations come from the H200 tuning table
+every nvfp4 tuning point (the bf16 entries were tuned before it existed). Launch configurations come from the H200 tuning table
 (:data:`TUNED_TABLE`, written by ``memra bench moe-grouped --tune``, :mod:`memra.bench.moe_tune`).
 
 Verified on the CPU under the Triton interpreter (tests/test_kernels_moe_prefill.py) and on the
@@ -293,6 +293,14 @@ def tuned_table() -> dict:
         raise ValueError(f"{TUNED_TABLE}: not valid JSON: {ex}") from None
     if not isinstance(table, dict) or not isinstance(table.get("configs"), dict):
         raise ValueError(f"{TUNED_TABLE}: expected an object with a 'configs' object")
+    names = set(MoePrefillConfig.__dataclass_fields__)
+    for key, entries in table["configs"].items():
+        for en in entries if isinstance(entries, list) else [None]:
+            ok = (isinstance(en, dict) and isinstance(en.get("t"), int) and en["t"] >= 1
+                  and isinstance(en.get("config"), dict) and set(en["config"]) <= names)
+            if not ok:
+                raise ValueError(f"{TUNED_TABLE}: entry {en!r} of {key!r} is not {{'t': int >= 1, 'config': "
+                                 f"MoePrefillConfig fields}}")
     return table
 
 
@@ -370,6 +378,9 @@ def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: 
         if sw and bank.fmt == "fp8":
             raise ValueError(f"moe_prefill: {what} is not implemented for fp8 banks (their 128-K block scales "
                              f"scale the product's rows and columns)")
+    if cfg.swap_ab and f8:
+        raise ValueError("moe_prefill: swap_ab is not implemented when kernel A writes act for the fp8 down "
+                         "recipe (E4M3 codes + 1x128 scales); use swap_ab=False or fp8_act=False")
     if f8 and cfg.block_n % 128:
         raise ValueError(f"moe_prefill: the fp8 recipe quantizes act in 1x128 groups inside kernel A: block_n = "
                          f"{cfg.block_n} must be a multiple of 128 (or fp8_act=False)")
