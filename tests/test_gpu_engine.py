@@ -121,6 +121,11 @@ def test_paged_batch_kernel_paths_match_the_sdpa_path():
             assert kvb.fuses_gate
             got = kvb.attend(0, q, k, v, window, 0.3, gate=gate)
             assert float((got - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), (window, len(chunks))
+    for use in (False, True):  # a released page inside the visible range; an empty step
+        with pytest.raises(RuntimeError, match="released KV block"):
+            PagedBatch(cache, [SeqChunk(15, 1, [[-1, -1, -1] + perm[3:4]])], use_kernels=use)
+        with pytest.raises(ValueError, match="at least one sequence"):
+            PagedBatch(cache, [], use_kernels=use)
     with pytest.raises(ValueError, match="gate is not fused"):
         PagedBatch(cache, steps[0], use_kernels=False).attend(0, q[:9], k[:9], v[:9], window, 0.3, gate=gate[:9])
 

@@ -147,6 +147,8 @@ class PagedBatch:
         dev = cache.k[cache.groups[0].layers[0]].device
         self.use_kernels = dev.type == "cuda" if use_kernels is None else bool(use_kernels)
         self.fuses_gate = self.use_kernels
+        if not chunks:
+            raise ValueError("PagedBatch: a step needs at least one sequence (chunks is empty)")
         self.num_tokens = sum(c.num_new for c in chunks)
         self.per_group = []
         offsets, o = [], 0
@@ -162,6 +164,11 @@ class PagedBatch:
             tables = [torch.tensor(c.block_tables[gi], dtype=torch.long) for c in chunks]
             slots = torch.cat([_slots(t, c.start, c.start + c.num_new, bs) for t, c in zip(tables, chunks)])
             if self.use_kernels:
+                for t, c in zip(tables, chunks):  # the kernel reads every visible page: none released
+                    lo = _window_start(c.start, g.window) // bs
+                    if bool((t[lo:-(-(c.start + c.num_new) // bs)] == NULL_BLOCK).any()):
+                        raise RuntimeError(f"positions {lo * bs}..{c.start + c.num_new - 1} reach a released KV "
+                                           f"block (block table {t.tolist()})")
                 width = max(len(t) for t in tables)
                 bt = torch.full((len(chunks), max(width, 1)), NULL_BLOCK, dtype=torch.int32)
                 for r, t in enumerate(tables):
