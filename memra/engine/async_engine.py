@@ -206,6 +206,10 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 events = eng.step()
+                # refresh before delivering: a consumer that reacts to this step's tokens (e.g. by
+                # submitting) must not see the requests this step admitted still counted as waiting
+                # (a stale count refused requests with QueueFullError under CPU load)
+                self._stats = eng.stats()
             except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the others
                 log.exception("engine step failed; aborting the requests in flight")
                 for rid in eng.request_ids():
