@@ -57,8 +57,10 @@ tokens, 8x the mean. The default block_m is 16 at T = 512: padding 1.54.) Unifor
 (:func:`uniform_routing`, the same sampler with equal popularities), seed 0: 288 active at
 every T, max 27 / 79 / 143 rows, padding 1.41 / 1.30 / 1.17 at the default block_m.
 
-Command (H200): ``memra bench moe-grouped --t 512,2048,4096 --formats nvfp4,fp8,bf16
---routing skewed,uniform --json-out benchmarks/results/moe_grouped_h200.json``.
+Command (H200): ``memra bench moe-grouped --t 512,2048,4096 --formats fp8,nvfp4,bf16
+--routing skewed,uniform --reps 5 --json-out benchmarks/results/moe-grouped-h200.json``
+(results and what bounds each format: memra/kernels/NOTES.md, "Prefill"). ``--tune`` first
+re-tunes the tile table (:mod:`memra.bench.moe_tune`).
 
 Wiring (for cli.py): ``add_moe_grouped_args(subparser)`` and ``run_from_args(namespace)``, or
 ``main(argv)``; ``python -m memra.bench.moe_grouped [args]`` works without the CLI.
