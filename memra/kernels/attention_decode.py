@@ -52,23 +52,32 @@ __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_
 _MAX_SPLITS = 128
 
 
+def check_paged_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                      ) -> tuple[int, int]:
+    """Checks shared by the paged attention kernels (decode and prefill): q [rows, H, D] in bf16 /
+    fp16 / fp32, equal caches [num_blocks, block_size, KV, D] of q's dtype or bf16, H % KV == 0.
+    Returns (block_size, KV). Raises: ValueError naming ``name`` and what is wrong."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: k_cache/v_cache must be equal [num_blocks, block_size, KV, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    H, D = q.shape[1], q.shape[2]
+    _, bs, KV, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"{name}: cache head dim {Dk} != q head dim {D}")
+    if KV < 1 or H % KV:
+        raise ValueError(f"{name}: H = {H} is not a multiple of KV = {KV}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.bfloat16):
+        raise ValueError(f"{name}: cache dtype {k_cache.dtype}/{v_cache.dtype} must be q's ({q.dtype}) or bf16")
+    return bs, KV
+
+
 def _check(q, k_cache, v_cache, block_table, seq_lens, window, gate, out) -> tuple[int, int, int, int, int]:
     if q.dim() != 3:
         raise ValueError(f"paged_decode_attention: q must be [B, H, D], got shape {tuple(q.shape)}")
     B, H, D = q.shape
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_decode_attention: k_cache/v_cache must be equal [num_blocks, block_size, KV, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, bs, KV, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"paged_decode_attention: cache head dim {Dk} != q head dim {D}")
-    if H % KV:
-        raise ValueError(f"paged_decode_attention: H = {H} is not a multiple of KV = {KV}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"paged_decode_attention: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.bfloat16):
-        raise ValueError(f"paged_decode_attention: cache dtype {k_cache.dtype}/{v_cache.dtype} must be q's "
-                         f"({q.dtype}) or bf16")
+    bs, KV = check_paged_cache("paged_decode_attention", q, k_cache, v_cache)
     if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
         raise ValueError(f"paged_decode_attention: block_table must be int32 [{B}, max_blocks], got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")

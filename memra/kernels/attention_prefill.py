@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_decode import check_paged_cache
 from .gemv import interpret_mode
 
 __all__ = [
@@ -75,18 +76,7 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, window, gat
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"{_NAME}: q must be [T, H, D], got shape {tuple(getattr(q, 'shape', ()))}")
     T, H, D = q.shape
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"{_NAME}: k_cache/v_cache must be equal [num_blocks, block_size, KV, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, bs, KV, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"{_NAME}: cache head dim {Dk} != q head dim {D}")
-    if KV < 1 or H % KV:
-        raise ValueError(f"{_NAME}: H = {H} is not a multiple of KV = {KV}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{_NAME}: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.bfloat16):
-        raise ValueError(f"{_NAME}: cache dtype {k_cache.dtype}/{v_cache.dtype} must be q's ({q.dtype}) or bf16")
+    bs, KV = check_paged_cache(_NAME, q, k_cache, v_cache)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"{_NAME}: cu_seqlens_q must be int32 [S+1], got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)}")
