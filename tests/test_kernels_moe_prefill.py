@@ -35,14 +35,10 @@ from memra.kernels.moe_prefill import (  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from moe_banks import banks, source  # noqa: E402
+from moe_banks import banks  # noqa: E402
 
 E, D = 8, 128
 FORMATS = ("nvfp4", "bf16", "fp8", "q8_0")
-
-
-def _source(fmt: str, w: torch.Tensor):
-    return source(fmt, w)
 
 
 def _banks(fmt: str, i: int, d: int = D, seed: int = 0):

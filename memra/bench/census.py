@@ -186,6 +186,29 @@ def _time_graph(calls, reps: int, inner: int) -> float:
     return statistics.median(out)
 
 
+def eager_us(fn, n: int = 3) -> float:
+    """Mean µs per call of ``n`` back-to-back eager calls of ``fn`` (GPU work) after one warm-up
+    call, CUDA events. For calls of a millisecond or more, where launch overhead is negligible."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1000.0 / n
+
+
+def write_json(path: str, res: dict, label: str = "JSON written to") -> None:
+    """Write a bench result as indented JSON at ``path`` (parent folders created) and say so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{label} {path}")
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), torch ``copy_`` of
     ``nbytes``, median of ``reps``."""
@@ -484,9 +507,7 @@ def run_from_args(a: argparse.Namespace) -> int:
         res["png"] = plot(res, a.png_out)
         print(res["png"])
     if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"JSON written to {a.json_out}")
+        write_json(a.json_out, res)
     moe_ok = all(r.get("correct", True) for m in res.get("moe_sel", []) for r in m["rows"])
     return 0 if all(r["correct"] for r in res["rows"]) and moe_ok else 1
 

@@ -75,7 +75,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, fields, replace
-from pathlib import Path
 
 import torch
 
@@ -343,18 +342,6 @@ def _inner(us_est: float, graph_us: float, max_inner: int) -> int:
     return max(2, min(max_inner, math.ceil(graph_us / max(us_est, 1.0))))
 
 
-def _eager_us(fn, n: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(n):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) * 1000.0 / n
-
-
 def _check_run_args(ts, fmt: str, routing: str) -> tuple[int, ...]:
     if fmt not in FORMATS:
         raise ValueError(f"moe-grouped: unknown format {fmt!r}; expected one of {FORMATS}")
@@ -448,7 +435,7 @@ def run_moe_grouped(ts=(512, 2048, 4096), fmt: str = "nvfp4", routing: str = "sk
             times = {}
             for name, fn in (("align", parts["align"]), ("gate_up", parts["gate_up"]), ("down", parts["down"]),
                              ("call", lambda: moe_prefill(x, index, weight, gu, dn, limit, config=cfg))):
-                inner = _inner(_eager_us(fn), graph_us, max_inner)
+                inner = _inner(eager_us(fn), graph_us, max_inner)
                 times[name] = _time_graph([fn], reps, inner)
                 times[name + "_inner"] = inner
         except Exception as ex:  # a launch / capture failure is reported in the row, not fatal
@@ -525,7 +512,7 @@ def _baseline(x, index, bbanks, st, copy_bw, bf16_flops, reps, graph_us, max_inn
             hot = int(counts.argmax())
             lo = int(offs[hot - 1]) if hot > 0 else 0
             ref = a[lo:int(offs[hot])].float() @ bank.data[hot].float().T
-            inner = _inner(_eager_us(fn), graph_us, max_inner)
+            inner = _inner(eager_us(fn), graph_us, max_inner)
             us = _time_graph([fn], reps, inner)
             flops = 2.0 * p * a.shape[1] * n_out
             nbytes = st["active"] * bank.expert_nbytes + a.numel() * 2 + p * n_out * 2
@@ -732,9 +719,9 @@ def run_from_args(a: argparse.Namespace) -> int:
     res = run_bench(a)
     print_table(res)
     if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"JSON written to {a.json_out}")
+        from .census import write_json
+
+        write_json(a.json_out, res)
     ok = all(r.get("correct", True) and r.get("split_ok", True) and "error" not in r
              for run in res["runs"] for r in run["rows"])
     return 0 if ok else 1

@@ -77,12 +77,10 @@ Wiring (for cli.py): ``add_prefill_args(subparser)`` and ``run_from_args(namespa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from .decode import _time  # median ms of an eager GPU call, CUDA events
 
@@ -604,9 +602,9 @@ def run_from_args(a: argparse.Namespace) -> int:
     res = run_prefill_bench(a)
     print_table(res)
     if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {a.json_out}")
+        from .census import write_json
+
+        write_json(a.json_out, res, "wrote")
     return 0 if res["logits_finite"] else 1
 
 

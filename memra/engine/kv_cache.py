@@ -146,7 +146,6 @@ class PagedBatch:
         bs = cache.block_size
         dev = cache.k[cache.groups[0].layers[0]].device
         self.use_kernels = dev.type == "cuda" if use_kernels is None else bool(use_kernels)
-        self.fuses_gate = self.use_kernels
         if not chunks:
             raise ValueError("PagedBatch: a step needs at least one sequence (chunks is empty)")
         self.num_tokens = sum(c.num_new for c in chunks)
@@ -200,6 +199,11 @@ class PagedBatch:
                                        torch.arange(lo, c.start + c.num_new), g.window)
                 prefill.append((offsets[i], c.num_new, keys[i].to(dev), mask.to(dev)))
             self.per_group.append((slots.to(dev), decode, prefill))
+
+    @property
+    def fuses_gate(self) -> bool:
+        """attend() takes the head gate (the kernel path applies it in its epilogue)."""
+        return self.use_kernels
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:

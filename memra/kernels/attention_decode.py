@@ -52,15 +52,17 @@ __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_
 _MAX_SPLITS = 128
 
 
-def check_paged_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-                      ) -> tuple[int, int]:
+def check_paged_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      window: int | None = None, gate: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> tuple[int, int]:
     """Checks shared by the paged attention kernels (decode and prefill): q [rows, H, D] in bf16 /
-    fp16 / fp32, equal caches [num_blocks, block_size, KV, D] of q's dtype or bf16, H % KV == 0.
+    fp16 / fp32, equal caches [num_blocks, block_size, KV, D] of q's dtype or bf16, H % KV == 0,
+    ``window`` None or >= 1, ``gate`` [rows, H], ``out`` q's dtype and shape.
     Returns (block_size, KV). Raises: ValueError naming ``name`` and what is wrong."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"{name}: k_cache/v_cache must be equal [num_blocks, block_size, KV, D], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    H, D = q.shape[1], q.shape[2]
+    R, H, D = q.shape
     _, bs, KV, Dk = k_cache.shape
     if Dk != D:
         raise ValueError(f"{name}: cache head dim {Dk} != q head dim {D}")
@@ -70,6 +72,12 @@ def check_paged_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise ValueError(f"{name}: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.bfloat16):
         raise ValueError(f"{name}: cache dtype {k_cache.dtype}/{v_cache.dtype} must be q's ({q.dtype}) or bf16")
+    if window is not None and window < 1:
+        raise ValueError(f"{name}: window must be None or >= 1, got {window}")
+    if gate is not None and tuple(gate.shape) != (R, H):
+        raise ValueError(f"{name}: gate must be [{R}, {H}], got {tuple(gate.shape)}")
+    if out is not None and (tuple(out.shape) != (R, H, D) or out.dtype != q.dtype):
+        raise ValueError(f"{name}: out must be {q.dtype} [{R}, {H}, {D}], got {out.dtype} {tuple(out.shape)}")
     return bs, KV
 
 
@@ -77,20 +85,13 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, window, gate, out) -> tup
     if q.dim() != 3:
         raise ValueError(f"paged_decode_attention: q must be [B, H, D], got shape {tuple(q.shape)}")
     B, H, D = q.shape
-    bs, KV = check_paged_cache("paged_decode_attention", q, k_cache, v_cache)
+    bs, KV = check_paged_cache("paged_decode_attention", q, k_cache, v_cache, window, gate, out)
     if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
         raise ValueError(f"paged_decode_attention: block_table must be int32 [{B}, max_blocks], got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
     if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"paged_decode_attention: seq_lens must be int32 [{B}], got {seq_lens.dtype} "
                          f"{tuple(seq_lens.shape)}")
-    if window is not None and window < 1:
-        raise ValueError(f"paged_decode_attention: window must be None or >= 1, got {window}")
-    if gate is not None and tuple(gate.shape) != (B, H):
-        raise ValueError(f"paged_decode_attention: gate must be [{B}, {H}], got {tuple(gate.shape)}")
-    if out is not None and (tuple(out.shape) != (B, H, D) or out.dtype != q.dtype):
-        raise ValueError(f"paged_decode_attention: out must be {q.dtype} [{B}, {H}, {D}], got "
-                         f"{out.dtype} {tuple(out.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens)) + ((("gate", gate),) if gate is not None else ()):
         if t.device != q.device:

@@ -76,7 +76,7 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, window, gat
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"{_NAME}: q must be [T, H, D], got shape {tuple(getattr(q, 'shape', ()))}")
     T, H, D = q.shape
-    bs, KV = check_paged_cache(_NAME, q, k_cache, v_cache)
+    bs, KV = check_paged_cache(_NAME, q, k_cache, v_cache, window, gate, out)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"{_NAME}: cu_seqlens_q must be int32 [S+1], got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)}")
@@ -87,12 +87,6 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, window, gat
     if block_table.dim() != 2 or block_table.shape[0] != S or block_table.dtype != torch.int32:
         raise ValueError(f"{_NAME}: block_table must be int32 [{S}, max_blocks], got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    if window is not None and window < 1:
-        raise ValueError(f"{_NAME}: window must be None or >= 1, got {window}")
-    if gate is not None and tuple(gate.shape) != (T, H):
-        raise ValueError(f"{_NAME}: gate must be [{T}, {H}], got {tuple(gate.shape)}")
-    if out is not None and (tuple(out.shape) != (T, H, D) or out.dtype != q.dtype):
-        raise ValueError(f"{_NAME}: out must be {q.dtype} [{T}, {H}, {D}], got {out.dtype} {tuple(out.shape)}")
     if max_q_len is not None and (not isinstance(max_q_len, int) or isinstance(max_q_len, bool) or max_q_len < 0):
         raise ValueError(f"{_NAME}: max_q_len must be None or a host int >= 0, got {max_q_len!r}")
     for name, t in ((("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -311,16 +305,10 @@ def benchmark_prefill_attention(t: int = 4096, prefix: int = 0, h: int = 64, kv:
     def run():
         paged_prefill_attention(q, kc, vc, table, cu, sl, window, scale, gate=gate, out=out, max_q_len=t, **launch)
 
+    from ..bench.census import eager_us
+
     def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) * 1e3 / reps
+        return eager_us(fn, reps)
 
     us = timed(run)
     res = dict(t=t, prefix=prefix, h=h, kv=kv, d=d, window=window, us=us, flops=flops, tflops=flops / us * 1e-6)
