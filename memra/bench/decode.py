@@ -24,7 +24,6 @@ head) and timed with CUDA events; their sum is printed next to the whole step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -312,6 +311,7 @@ def print_table(res: dict) -> None:
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
+    """Add ``memra bench decode``'s options to ``p``."""
     p.add_argument("--geometry", default="full", help="synthetic geometry (memra/io/synthetic.py GEOMETRIES or JSON)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (None: all)")
     p.add_argument("--expert-format", default="nvfp4", choices=["nvfp4", "bf16"], help="routed experts' format")
@@ -323,16 +323,19 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> int:
+    """Run for parsed arguments (:func:`add_decode_args`): table, and JSON with ``--json-out``.
+    Returns 0. Raises: SystemExit without a CUDA GPU."""
     res = run_decode_bench(a)
     print_table(res)
     if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {a.json_out}")
+        from .census import write_json
+
+        write_json(a.json_out, res, "wrote")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``memra bench decode [args]`` (``python -m memra.bench.decode``)."""
     p = argparse.ArgumentParser(prog="memra bench decode", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_decode_args(p)
