@@ -169,7 +169,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ GGUF
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str], where: str = "") -> "ModelConfig":
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str], where: str = "") -> ModelConfig:
         """Build the config from GGUF metadata (llama.cpp's ``{arch}.*`` keys).
 
         Args:
@@ -259,7 +259,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------ HF config.json
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], where: str = "config.json") -> "ModelConfig":
+    def from_hf_config(cls, cfg: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
         """Build the config from a Hugging Face ``config.json`` (as a dict).
 
         Accepted forms (``model_type``):
@@ -528,7 +528,7 @@ def _step35_rope(c, where, types, per_layer, get) -> list[tuple[float, float, Ro
     rp = c.get("rope_parameters")
     if isinstance(rp, Mapping) and rp and all(isinstance(rp.get(t), Mapping) for t in set(types)):
         out = []
-        for i, t in enumerate(types):
+        for t in types:
             d = rp[t]
             if not isinstance(d.get("rope_theta"), (int, float)):
                 raise ConfigError(f"{where}: rope_parameters[{t!r}] lacks a numeric 'rope_theta'")

@@ -10,8 +10,9 @@ the transformers/tokenizers versions. Delete that folder to rebuild it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

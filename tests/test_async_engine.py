@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tiny_models import tiny_gguf
 
 from memra.engine.async_engine import AsyncLLMEngine, QueueFullError
 from memra.engine.engine import EngineConfig, LLMEngine
 from memra.engine.sampling import SamplingParams
 from memra.io.tokenizer import Tokenizer
 from memra.models import load_gguf_model
-from tiny_models import tiny_gguf
 
 
 @pytest.fixture(scope="module")

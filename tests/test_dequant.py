@@ -341,7 +341,7 @@ def _scalar_quantize_nvfp4(x: np.ndarray) -> np.ndarray:
             d = _scalar_ue4m3_half(ue)
             d_bytes.append(ue)
 
-            def best(v: np.float32) -> int:
+            def best(v: np.float32, d=d) -> int:
                 bi, be = 0, abs(np.float32(NVFP4_KVALUES[0]) * d - v)
                 for i in range(1, 16):
                     err = abs(np.float32(NVFP4_KVALUES[i]) * d - v)

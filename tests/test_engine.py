@@ -12,9 +12,16 @@ import random
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_gguf
 
-from memra.engine.block_manager import (NULL_BLOCK, KVCacheManager, KVCapacityError, KVGroupSpec, kv_groups,
-                                        plan_kv_blocks)
+from memra.engine.block_manager import (
+    NULL_BLOCK,
+    KVCacheManager,
+    KVCapacityError,
+    KVGroupSpec,
+    kv_groups,
+    plan_kv_blocks,
+)
 from memra.engine.engine import EngineConfig, LLMEngine
 from memra.engine.kv_cache import ContiguousKVCache
 from memra.engine.request import Request
@@ -22,7 +29,6 @@ from memra.engine.sampling import SamplingParams
 from memra.io.synthetic import build_model, gguf_tokenizer_metadata, load_geometry, model_config
 from memra.io.tokenizer import Tokenizer
 from memra.models import load_gguf_model
-from tiny_models import VOCAB, tiny_gguf
 
 
 # ----------------------------------------------------------------- helpers

@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from memra.engine.kv_cache import ContiguousKVCache, PagedBatch, PagedKVCache, SeqChunk  # noqa: E402
 from memra.engine.block_manager import kv_groups  # noqa: E402
+from memra.engine.kv_cache import ContiguousKVCache, PagedBatch, PagedKVCache, SeqChunk  # noqa: E402
 from memra.io.synthetic import build_model  # noqa: E402
 
 
@@ -236,8 +236,8 @@ def test_engine_on_gpu_greedy_matches_cpu_argmax():
     argmax on the generated tokens (teacher forced)."""
     from memra.engine.engine import EngineConfig, LLMEngine
     from memra.engine.sampling import SamplingParams
-    from memra.models import load_model
     from memra.hub import resolve_model
+    from memra.models import load_model
 
     path = _smollm2_path()
     path = path if os.path.exists(path) else resolve_model(path)

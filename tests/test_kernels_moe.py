@@ -322,7 +322,7 @@ def test_flagship_cuda_graph(fmt, group, flagship_banks):
 
         cfg = dataclasses.replace(default_moe_config(fmt, t, 8, 288, 1280, 4096), group=group)
 
-        def step():
+        def step(xs=xs, ys=ys, cfg=cfg):
             index, weight = moe_route(xs, router, bias, 8, 3.0)
             moe_decode(xs, index, weight, gu, down, 7.0, out=ys, config=cfg)
 

@@ -462,7 +462,7 @@ def test_flagship_cuda_graph(fmt, flagship_banks):
         xs = torch.randn(t, 4096, device="cuda", generator=gen).to(torch.bfloat16)
         ys = torch.empty_like(xs)
 
-        def step():
+        def step(xs=xs, ys=ys):
             index, weight = moe_route(xs, router, bias, 8, 3.0)
             ys.copy_(moe_prefill(xs, index, weight, gu, down, 7.0))
 

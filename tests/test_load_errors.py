@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_gguf
 
 from memra.config import ConfigError
 from memra.io.gguf import CheckpointError, read_gguf
 from memra.models import load_gguf_model
-from tiny_models import tiny_gguf
 
 
 def _rewrite(src, dst, arch=None, drop=(), reshape=None, meta_over=None):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memra.engine.output import OutputProcessor
-from memra.engine.sampling import SampleResult, Sampler, SamplingParams
+from memra.engine.sampling import Sampler, SampleResult, SamplingParams
 
 
 def _logits(seed=0, v=50):
@@ -103,7 +103,6 @@ class FakeTok:
 
 
 def _run(text: str, params: SamplingParams, eos=(), extra=()):
-    from memra.engine import output as out_mod
 
     proc = OutputProcessor(0, FakeTok(), params, list(eos), [])
     chunks = []

@@ -20,11 +20,11 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from test_server import ServerThread, wait_idle
 
 from memra.engine.async_engine import AsyncLLMEngine
 from memra.engine.engine import EngineConfig, LLMEngine
 from memra.server import create_app
-from test_server import ServerThread, wait_idle
 
 
 @pytest.fixture(scope="module")

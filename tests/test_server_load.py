@@ -17,11 +17,11 @@ import re
 import httpx
 import openai
 import pytest
+from test_server import ServerThread, wait_idle
 
 from memra.engine.async_engine import AsyncLLMEngine
 from memra.engine.engine import EngineConfig, LLMEngine
 from memra.server import create_app
-from test_server import ServerThread, wait_idle
 
 
 @pytest.fixture(scope="module")

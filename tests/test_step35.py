@@ -14,13 +14,29 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from step35_tiny import (
+    H_FULL,
+    H_SWA,
+    HD,
+    KV,
+    N_LAYERS,
+    N_MTP,
+    TOPK,
+    VOCAB,
+    WINDOW,
+    D,
+    E,
+    hub_config,
+    make_tensors,
+    per_expert,
+    reference_model,
+    write_checkpoint,
+)
 
 from memra.config import ModelConfig
 from memra.engine.kv_cache import ContiguousKVCache
 from memra.models import load_model
 from memra.quant.fp8 import FP8BlockTensor, quantize_fp8_block
-from step35_tiny import (D, E, H_FULL, H_SWA, HD, KV, N_LAYERS, N_MTP, TOPK, VOCAB, WINDOW, hub_config, make_tensors,
-                         per_expert, reference_model, write_checkpoint)
 
 SEQ = 40
 
@@ -303,7 +319,7 @@ def test_mtp_draft_matches_restatement(model, tensors, ids, context):
 
 def test_llm_generates_from_hf_directory(tmp_path, tensors, model):
     from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers, decoders
+    from tokenizers import decoders, models, pre_tokenizers
 
     from memra import LLM, SamplingParams
 

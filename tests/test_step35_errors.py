@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from step35_tiny import I_EXP, E, hub_config, make_tensors, per_expert, write_checkpoint
 
 from memra.config import ConfigError, ModelConfig
 from memra.io.gguf import CheckpointError
 from memra.models import load_model
 from memra.quant.fp8 import quantize_fp8_block
 from memra.quant.types import UnsupportedQTypeError
-from step35_tiny import E, I_EXP, hub_config, make_tensors, per_expert, write_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)

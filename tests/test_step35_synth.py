@@ -19,8 +19,16 @@ from memra.cli import main as cli_main
 from memra.config import ConfigError, ModelConfig
 from memra.engine.kv_cache import ContiguousKVCache
 from memra.io.gguf import read_gguf
-from memra.io.synthetic import (GEOMETRIES, SynthError, build_model, gguf_tokenizer_metadata, load_geometry,
-                                model_config, synth_tensor, write_synthetic)
+from memra.io.synthetic import (
+    GEOMETRIES,
+    SynthError,
+    build_model,
+    gguf_tokenizer_metadata,
+    load_geometry,
+    model_config,
+    synth_tensor,
+    write_synthetic,
+)
 from memra.layers.rope import rope_cos_sin
 from memra.models import load_model
 from memra.roofline import format_bytes_table, step35_bytes

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_gguf
 
 from memra.engine.kv_cache import ContiguousKVCache
 from memra.models import load_gguf_model
-from tiny_models import VOCAB, tiny_gguf
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -274,7 +274,6 @@ def run_census(a: argparse.Namespace) -> dict:
         SystemExit: no CUDA device, or an unknown format or shape name.
     """
     import torch
-
     import triton
 
     from ..kernels import gemv
@@ -369,7 +368,7 @@ def run_census(a: argparse.Namespace) -> dict:
                 yb = torch.empty(t, n, device=dev, dtype=torch.bfloat16)
                 tot = 2 * n * k + t * k * 2 + t * n * 2
                 inner = max(len(wt), min(a.max_inner, math.ceil(a.graph_us * 1e-6 * copy_bw / tot)))
-                us = _time_graph([lambda w=w: torch.mm(x, w.t(), out=yb) for w in wt], a.reps, inner)
+                us = _time_graph([lambda w=w, x=x, yb=yb: torch.mm(x, w.t(), out=yb) for w in wt], a.reps, inner)
                 baseline_rows.append(dict(shape=shp["name"], tp=shp["tp"], n=n, k=k, fmt="bf16", t=t, us=us,
                                           tbs=tot / (us * 1e-6) / 1e12, pct_copy=100.0 * tot / (us * 1e-6) / copy_bw,
                                           kernel="torch.mm (cuBLAS)"))

@@ -121,7 +121,7 @@ def run_cpu_bench(a) -> int:
         rows.append({"engine": name, **first, "prefill": [], "decode": []})
         procs.append((proc, parent))
     for _ in range(a.rounds):
-        for row, (proc, conn) in zip(rows, procs):
+        for row, (_proc, conn) in zip(rows, procs):
             if "error" in row:
                 continue
             conn.send("measure")

@@ -106,10 +106,10 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     import torch
 
     from ..engine.block_manager import kv_groups
-    from ..engine.cuda_graph import CudaGraphRunner, DecodeKV
+    from ..engine.cuda_graph import CudaGraphRunner
     from ..engine.kv_cache import PagedKVCache
     from ..io.synthetic import build_gpu_model, load_geometry
-    from ..models.step3p5 import MoE, SwiGLU
+    from ..models.step3p5 import MoE
     from ..roofline import step35_bytes
     from .census import _commit, copy_bandwidth
 

@@ -120,7 +120,7 @@ def _download_and_unpack(target: Path) -> None:
                 raise
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ensure_llama_cpp() -> types.ModuleType:
     """Download (once), unpack and import llama-cpp-python 0.2.62; return the ``llama_cpp`` module.
 

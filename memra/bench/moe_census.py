@@ -105,8 +105,8 @@ def moe_sel_census(ts=(1, 2, 4, 8), fmt: str = "nvfp4", device: str = "cuda", re
         us = _time_graph(calls, reps, inner)
         cfg_tg = replace(default_moe_config(fmt, t, k, e, i, d), group="triton")
         try:  # reported, not fatal: the rest of the row stands on the default (torch) grouping
-            us_tg, tg_err = _time_graph([lambda a=a: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
-                                                                config=cfg_tg) for a in xs], reps, inner), None
+            us_tg, tg_err = _time_graph([lambda a=a, c=cfg_tg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
+                                                                      config=c) for a in xs], reps, inner), None
         except Exception as ex:
             us_tg, tg_err = float("nan"), f"{type(ex).__name__}: {str(ex)[:300]}"
         same = []  # every token on the same 8 experts (e.g. speculative tokens): the marginal cost of a token

@@ -300,7 +300,7 @@ def matmul_ceilings(m: int = 8192, reps: int = 10, inner: int = 5) -> dict:
     a = torch.randn(m, m, device=dev, generator=gen).to(torch.bfloat16)
     b = torch.randn(m, m, device=dev, generator=gen).to(torch.bfloat16)
     c = torch.empty(m, m, device=dev, dtype=torch.bfloat16)
-    us = _time_graph([lambda: torch.mm(a, b, out=c)], reps, inner)
+    us = _time_graph([lambda a=a, b=b, c=c: torch.mm(a, b, out=c)], reps, inner)
     out = dict(m=m, bf16_us=us, bf16_flops_per_s=2.0 * m ** 3 / (us * 1e-6), fp8_flops_per_s=None,
                fp8_scaling=None, fp8_error=None)
     if hasattr(torch, "_scaled_mm"):
@@ -311,7 +311,7 @@ def matmul_ceilings(m: int = 8192, reps: int = 10, inner: int = 5) -> dict:
         errs = []
         for name, sa, sb in tries:
             try:
-                us8 = _time_graph([lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)], reps, inner)
+                us8 = _time_graph([lambda sa=sa, sb=sb: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)], reps, inner)
             except Exception as e:  # row-wise scaling is not in every build
                 errs.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
                 torch.cuda.synchronize()
@@ -384,7 +384,7 @@ def run_moe_grouped(ts=(512, 2048, 4096), fmt: str = "nvfp4", routing: str = "sk
     if not torch.cuda.is_available():
         raise RuntimeError("memra bench moe-grouped needs a CUDA GPU")
     from ..kernels.moe_prefill import moe_prefill, moe_prefill_ref
-    from .census import _time_graph, copy_bandwidth
+    from .census import _time_graph, copy_bandwidth, eager_us
     from .moe_census import random_bank, random_moe
 
     shape = dict(shape or FLAGSHIP)
@@ -434,7 +434,7 @@ def run_moe_grouped(ts=(512, 2048, 4096), fmt: str = "nvfp4", routing: str = "sk
             del y
             times = {}
             for name, fn in (("align", parts["align"]), ("gate_up", parts["gate_up"]), ("down", parts["down"]),
-                             ("call", lambda: moe_prefill(x, index, weight, gu, dn, limit, config=cfg))):
+                             ("call", lambda x=x, index=index, weight=weight, cfg=cfg: moe_prefill(x, index, weight, gu, dn, limit, config=cfg))):
                 inner = _inner(eager_us(fn), graph_us, max_inner)
                 times[name] = _time_graph([fn], reps, inner)
                 times[name + "_inner"] = inner
@@ -496,7 +496,7 @@ def grouped_mm_inputs(x: torch.Tensor, index: torch.Tensor, num_experts: int, i:
 def _baseline(x, index, bbanks, st, copy_bw, bf16_flops, reps, graph_us, max_inner) -> dict:
     """torch._grouped_mm (bf16) on the pairs sorted by expert: gate+up [P, D] x [E, D, 2I] and
     down [P, I] x [E, I, D]; gathers untimed. Checked on the hottest expert's rows."""
-    from .census import _time_graph
+    from .census import _time_graph, eager_us
 
     gu, dn = bbanks
     d = x.shape[1]

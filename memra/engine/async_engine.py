@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from .engine import EngineStats, LLMEngine
 from .request import RequestEvent
@@ -88,7 +88,7 @@ class AsyncLLMEngine:
         return self._stats
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-               prompt_logprobs: int | None = None) -> "RequestStream":
+               prompt_logprobs: int | None = None) -> RequestStream:
         """Queue a request now (call from a running event loop) and return its event stream.
 
         Everything that can refuse the request is raised here, synchronously, before any
@@ -237,7 +237,7 @@ class RequestStream:
         self._owner, self._request_id, self._eid, self._q = owner, request_id, eid, q
         self._closed = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestEvent:

@@ -9,9 +9,9 @@ once (in chunks of ``max_num_batched_tokens``), then each decode step feeds one 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from .engine import EngineConfig, LLMEngine, PromptTooLongError
 from .output import CompletionOutput

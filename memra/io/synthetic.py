@@ -399,7 +399,6 @@ def _write_hf(g: dict, fmt: str, seed: int, out: Path, shard_bytes: int = 2 << 3
     from safetensors.torch import save_file
 
     from ..quant.fp8 import quantize_fp8_block
-
     from .tokenizer import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,7 @@ class DecodeWeight:
     def device(self) -> torch.device:
         return self.data.device
 
-    def to(self, device: torch.device | str) -> "DecodeWeight":
+    def to(self, device: torch.device | str) -> DecodeWeight:
         """A copy on ``device``."""
         s = None if self.scale is None else self.scale.to(device)
         return DecodeWeight(self.fmt, self.n, self.k, self.data.to(device), s, self.name)

@@ -146,7 +146,7 @@ class ExpertBank:
     def device(self) -> torch.device:
         return self.data.device
 
-    def to(self, device: torch.device | str) -> "ExpertBank":
+    def to(self, device: torch.device | str) -> ExpertBank:
         """A copy on ``device``."""
         s = None if self.scale is None else self.scale.to(device)
         return ExpertBank(self.fmt, self.e, self.n, self.k, self.data.to(device), s, self.name, self.interleave)

@@ -194,7 +194,7 @@ def _fp8_roundtrip(v: torch.Tensor) -> torch.Tensor:
 
 def moe_prefill_ref(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
                     down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
-                    config: "MoePrefillConfig | None" = None, fp8_act: bool = False) -> torch.Tensor:
+                    config: MoePrefillConfig | None = None, fp8_act: bool = False) -> torch.Tensor:
     """Plain torch twin of :func:`moe_prefill`, in fp32 (host loop over the chosen experts, syncs).
 
     Default (``fp8_act=False``): exactly :func:`memra.kernels.moe_decode.moe_decode_ref` (fp32

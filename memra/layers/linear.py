@@ -106,7 +106,7 @@ class Linear(nn.Module):
     # ------------------------------------------------------------------ GPU
     @classmethod
     def from_packed(cls, weight: DecodeWeight, bias: torch.Tensor | None = None,
-                    dtype: torch.dtype = torch.bfloat16) -> "Linear":
+                    dtype: torch.dtype = torch.bfloat16) -> Linear:
         """A GPU linear over an already packed weight (no host copy kept; used to build models
         directly in GPU memory, e.g. synthetic full-size ones). ``weight`` [out, in] on its device."""
         self = cls.__new__(cls)
@@ -254,7 +254,7 @@ class Embedding(nn.Module):
         self.scale_t = torch.tensor(self.scale, dtype=dtype, device=device)  # rounded to dtype first, as on the CPU
 
     @classmethod
-    def from_table(cls, table: torch.Tensor, scale: float = 1.0) -> "Embedding":
+    def from_table(cls, table: torch.Tensor, scale: float = 1.0) -> Embedding:
         """A GPU embedding over a dense [vocab, hidden] table already on its device."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)

@@ -23,7 +23,7 @@ from ..quant.tensor import QTensor
 
 __all__ = ["CausalLM", "GGUFWeights", "HFWeights", "MODEL_REGISTRY", "register_model"]
 
-MODEL_REGISTRY: dict[str, type["CausalLM"]] = {}
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
 
 
 def register_model(*archs: str):
@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
         """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
 
-    def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> "CausalLM":
+    def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> CausalLM:
         """Move the model to a CUDA ``device`` in place and return it.
 
         Linear weights keep their checkpoint format (memra/kernels/gemv.py layouts; formats
@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
     # -------------------------------------------------------------- loading
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                  progress: bool = False, device: torch.device | str | None = None) -> "CausalLM":
+                  progress: bool = False, device: torch.device | str | None = None) -> CausalLM:
         """Build the model from a GGUF checkpoint; shapes are checked against ``config``.
 
         ``progress`` shows a tqdm bar over the layers on stderr. ``device`` (a CUDA device):

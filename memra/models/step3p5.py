@@ -166,7 +166,7 @@ class RoutedExperts(nn.Module):
                 delattr(self, name)
 
     @classmethod
-    def from_banks(cls, gate_up, down, limit: float | None) -> "RoutedExperts":
+    def from_banks(cls, gate_up, down, limit: float | None) -> RoutedExperts:
         """GPU experts over already packed banks (``fuse_gate_up`` output [E, 2I, D] and
         down [E, D, I], memra/kernels/moe_decode.py), e.g. synthetic full-size ones."""
         self = cls.__new__(cls)
@@ -403,7 +403,7 @@ class Step35ForCausalLM(CausalLM):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_hf(cls, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                progress: bool = False, device: torch.device | str | None = None) -> "Step35ForCausalLM":
+                progress: bool = False, device: torch.device | str | None = None) -> Step35ForCausalLM:
         """Build the model from a HF safetensors directory (STEP35.md "Checkpoint layouts").
 
         Experts may be stacked (``moe.gate_proj.weight`` [E, I, D]) or per expert
@@ -419,7 +419,7 @@ class Step35ForCausalLM(CausalLM):
 
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                  progress: bool = False, device: torch.device | str | None = None) -> "Step35ForCausalLM":
+                  progress: bool = False, device: torch.device | str | None = None) -> Step35ForCausalLM:
         """Build the model from a llama.cpp-style ``step35`` GGUF file (STEP35.md "GGUF").
 
         Tensor names are those of :func:`gguf_tensor_name`; routed experts are 3-D banks
@@ -440,7 +440,7 @@ class Step35ForCausalLM(CausalLM):
         return cls._build(w, progress, device)
 
     @classmethod
-    def _build(cls, w: HFWeights, progress: bool, device: torch.device | str | None = None) -> "Step35ForCausalLM":
+    def _build(cls, w: HFWeights, progress: bool, device: torch.device | str | None = None) -> Step35ForCausalLM:
         """The model from a weights source that speaks HF tensor names (HF directly, GGUF mapped);
         with ``device`` each layer is moved to that GPU as soon as it is built (as
         :meth:`CausalLM.from_gguf`)."""

@@ -93,7 +93,7 @@ class FP8BlockTensor:
         s = s.repeat_interleave(self.block[1], dim=-1)[..., :inp]
         return (self.codes.to(torch.float32) * s).to(dtype)
 
-    def __getitem__(self, i: int) -> "FP8BlockTensor":
+    def __getitem__(self, i: int) -> FP8BlockTensor:
         """The ``i``-th slice along the first (stacked-expert) dimension."""
         if len(self.shape) < 3:
             raise ValueError(f"tensor {self.name!r}: indexing needs a stacked (>= 3-D) weight, got {self.shape}")

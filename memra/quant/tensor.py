@@ -89,7 +89,7 @@ class QTensor:
         flat = dequantize_blocks(self.data.reshape(-1), self.qtype)
         return flat.reshape(self.shape).to(dtype)
 
-    def permute_rows(self, index: torch.Tensor) -> "QTensor":
+    def permute_rows(self, index: torch.Tensor) -> QTensor:
         """A copy whose first-dimension rows are ``self[index]`` (2-D tensors only).
 
         Works on the packed bytes (blocks never span rows), so no dequantization.

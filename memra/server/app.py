@@ -29,8 +29,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -42,10 +43,30 @@ from ..engine.async_engine import QueueFullError
 from ..engine.engine import PromptTooLongError
 from ..engine.sampling import SamplingParams
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
-                       ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                       PromptTokensDetails, ProtocolError, TokenizeRequest, TokenizeResponse, UsageInfo, random_id)
+from .protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    ProtocolError,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    random_id,
+)
 
 __all__ = ["create_app", "APIError", "parse_size", "check_api_key", "run_server"]
 

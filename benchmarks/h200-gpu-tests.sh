@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU test run on the lent H200 (see README "Contributing"): installs the pure-Python
+# wheels carried in .wheels/ into /tmp/site, rebuilds smollm2-135m's GGUF from the chunks in
+# /tmp/memra-model (sent by earlier calls: split -b 60M) and checks its sha256, then runs
+# `python -m pytest -m gpu` over every GPU test file, writing the log under $OUT.
+# Usage (on the device): bash benchmarks/h200-gpu-tests.sh [pytest args...]
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+SMOL=/tmp/memra-model/smollm2-135m.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if [ ! -f "$SMOL" ]; then cat /tmp/memra-model/part-* > "$SMOL"; fi
+echo "$SHA  $SMOL" | sha256sum -c - || exit 1
+export MEMRA_SMOLLM2_GGUF=$SMOL
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+git log -1 --format='commit %H %s' 2>/dev/null || true
+python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests.log"
