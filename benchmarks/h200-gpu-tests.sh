@@ -14,5 +14,5 @@ echo "$SHA  $SMOL" | sha256sum -c - || exit 1
 export MEMRA_SMOLLM2_GGUF=$SMOL
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-git log -1 --format='commit %H %s' 2>/dev/null || true
-python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests.log"
+FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py)  # every file that holds a GPU test
+python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $FILES "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests.log"
