@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RopeScaling", "LayerConfig", "MoEConfig", "ModelConfig", "ConfigError"]
+__all__ = ["RopeScaling", "LayerConfig", "MoEConfig", "ModelConfig", "ConfigError", "step35_rope_dimension_counts"]
 
 
 class ConfigError(ValueError):
@@ -573,9 +573,8 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
       (head_dim; default embedding_length / head_count[0]), ``attention.value_length``,
       ``attention.layer_norm_rms_epsilon``, ``attention.sliding_window``,
       ``rope.freq_base`` (full layers), ``rope.freq_base_swa`` (sliding layers),
-      ``rope.dimension_count`` (rotary dims of *full* layers: head_dim * partial factor),
-      ``rope.dimension_count_swa`` (optional, rotary dims of sliding layers, default head_dim:
-      memra's choice), ``expert_count``, ``expert_used_count``,
+      ``rope.dimension_count`` / ``rope.dimension_count_swa``: see "Rotary widths" below,
+      ``expert_count``, ``expert_used_count``,
       ``expert_feed_forward_length``, ``expert_shared_feed_forward_length``,
       ``expert_weights_scale`` (routed scaling, 3.0), ``expert_weights_norm`` (must be true),
       ``expert_gating_func`` (optional; 2 = sigmoid, the only one accepted),
@@ -586,8 +585,20 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
       (bool or int per layer, true/1 = sliding: memra's choice of polarity),
       ``swiglu_clamp_exp`` / ``swiglu_clamp_shexp`` (0 = no clamp).
 
+    Rotary widths, as llama.cpp of 2026-10 reads them (``src/llama-model.cpp`` sets
+    ``n_rot_full = rope.dimension_count``, default ``attention.key_length``, and
+    ``n_rot_swa = rope.dimension_count_swa``, default that same unhalved value; then
+    ``src/models/step35.cpp`` halves ``n_rot_full`` in code, "full_attention layer only use
+    half of the RoPE dimensions"). So the full-attention layers rotate
+    ``rope.dimension_count / 2`` dims and the sliding layers ``rope.dimension_count_swa``
+    (or ``rope.dimension_count``) dims. llama.cpp's converter writes neither key, which gives
+    the checkpoint's 0.5 / 1.0 partial rotary factors; memra's writer writes both, in this
+    same convention (:func:`step35_rope_dimension_counts`).
+
     llama3 RoPE scaling of the full layers is not in the metadata: it comes from the
-    ``rope_freqs`` tensor (folded in by the model loader). Norm weights are stored as 1 + w.
+    ``rope_freqs`` tensor (folded in by the model loader: llama.cpp stores one tensor of
+    max-rotary-width / 2 factors and a full layer uses its first rotary_dim / 2). Norm
+    weights are stored as 1 + w.
 
     Raises:
         ConfigError: a key missing, of the wrong type or length, or out of range.
@@ -640,11 +651,20 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
         raise ConfigError(f"{where}: {p}attention.sliding_window must be a positive int when any layer is sliding")
     theta = float(positive("rope.freq_base", get("rope.freq_base", (int, float))))
     theta_swa = float(positive("rope.freq_base_swa", get("rope.freq_base_swa", (int, float), theta)))
-    rot = get("rope.dimension_count", int, hd)
-    rot_swa = get("rope.dimension_count_swa", int, hd)
-    for key, r in (("rope.dimension_count", rot), ("rope.dimension_count_swa", rot_swa)):
-        if r <= 0 or r > hd or r % 2:
-            raise ConfigError(f"{where}: {p}{key} = {r} must be even and in (0, head_dim = {hd}]")
+    # llama.cpp's step35 rotary convention (docstring, "Rotary widths"): the full layers rotate
+    # half of rope.dimension_count; the sliding layers rope.dimension_count_swa, which
+    # defaults to the *unhalved* rope.dimension_count.
+    n_rot = get("rope.dimension_count", int, hd)
+    rot_swa = get("rope.dimension_count_swa", int, n_rot)
+    rot = n_rot // 2
+    if n_rot <= 0 or n_rot % 4 or rot > hd:
+        raise ConfigError(f"{where}: {p}rope.dimension_count = {n_rot} must be a positive multiple of 4 with "
+                          f"half of it (the rotary dims of the full-attention layers, llama.cpp's step35 "
+                          f"convention) at most head_dim = {hd}")
+    if rot_swa <= 0 or rot_swa % 2 or rot_swa > hd:
+        raise ConfigError(f"{where}: {p}rope.dimension_count_swa = {rot_swa} (the sliding layers' rotary dims"
+                          + ("" if p + "rope.dimension_count_swa" in meta else f", from {p}rope.dimension_count")
+                          + f") must be even and in (0, head_dim = {hd}]")
     for i, (h, kv) in enumerate(zip(heads, kv_heads)):
         if h <= 0 or kv <= 0 or h % kv:
             raise ConfigError(f"{where}: layer {i}: head_count {h} must be a positive multiple of "
@@ -696,6 +716,27 @@ def _step35_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: st
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=[int(eos)] if eos is not None else [],
         name=str(meta.get("general.name", "")), attn_head_gate=True, moe=moe, mtp_layers=layers[n:])
 
+
+
+def step35_rope_dimension_counts(layers: list[LayerConfig]) -> dict[str, int]:
+    """The ``step35.rope.dimension_count`` / ``_swa`` values that make llama.cpp (and memra's
+    reader, :func:`_step35_from_gguf`) give these layers their rotary widths:
+    ``dimension_count`` = 2 x the full layers' width (llama.cpp halves it for them),
+    ``dimension_count_swa`` = the sliding layers' width.
+
+    Raises:
+        ConfigError: the full (or the sliding) layers do not share one rotary width.
+    """
+    def one(kind: str) -> int | None:
+        widths = {lc.rotary_dim for lc in layers if lc.attention == kind}
+        if len(widths) > 1:
+            raise ConfigError(f"{kind} layers have different rotary widths {sorted(widths)}: a step35 GGUF "
+                              "holds one per attention type")
+        return widths.pop() if widths else None
+
+    full, swa = one("full"), one("sliding")
+    full = full if full is not None else swa
+    return {"rope.dimension_count": 2 * full, "rope.dimension_count_swa": swa if swa is not None else full}
 
 
 def _gguf_getter(meta: Mapping[str, Any], prefix: str, where: str, default_type: type | tuple):

@@ -322,7 +322,10 @@ def test_step35_gguf_metadata_errors(files):
     for key, val, msg in [("step35.attention.head_count", [4, 8], "array of block_count"),
                           ("step35.expert_gating_func", 1, "expert_gating_func"),
                           ("step35.nextn_predict_layers", 99, "nextn_predict_layers"),
-                          ("step35.rope.dimension_count", 65, "even")]:
+                          # llama.cpp's convention: full layers rotate dimension_count / 2
+                          ("step35.rope.dimension_count", 66, "rope.dimension_count = 66 must be a positive multiple of 4"),
+                          ("step35.rope.dimension_count", 256, "half of it .* at most head_dim = 64"),
+                          ("step35.rope.dimension_count_swa", 96, "rope.dimension_count_swa = 96 .* head_dim = 64")]:
         with pytest.raises(ConfigError, match=msg):
             ModelConfig.from_gguf(meta | {key: val}, names, "x")
     bad = {k: v for k, v in meta.items() if k != "step35.rope.freq_base"}

@@ -279,6 +279,9 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is {total} tokens, "
                 f"more than the context length {self.max_model_len}")
+        if params.stop and getattr(self.tokenizer, "has_vocab", True) is False:
+            raise ValueError("invalid sampling parameter stop: this model has no vocabulary (GGUF "
+                             "tokenizer.ggml.model = 'none'), so its output has no text to match; use stop_token_ids")
         V = self.config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= V]
         if bad:

@@ -225,8 +225,10 @@ def _is_routed(name: str) -> bool:
 
 
 def rope_freq_factors(g: dict) -> torch.Tensor:
-    """llama.cpp ``rope_freqs``: fp32 [rot / 2] divisors of the full layers' inverse frequencies
-    (llama3 scaling computed over the rot = head_dim * partial_full rotary dims, not head_dim)."""
+    """llama.cpp ``rope_freqs``: fp32 [head_dim / 2] (the widest layer's rotary width / 2, the
+    sliding layers' head_dim) divisors of the full layers' inverse frequencies: llama3 scaling
+    computed over the rot = head_dim * partial_full rotary dims, padded with 1.0 past rot / 2,
+    as llama.cpp's converter writes it (``conversion/step3.py``)."""
     from ..config import RopeScaling
     from ..layers.rope import inv_frequencies
 
@@ -234,7 +236,8 @@ def rope_freq_factors(g: dict) -> torch.Tensor:
     sc = RopeScaling("llama3", l3["factor"], l3["low_freq_factor"], l3["high_freq_factor"],
                      l3["original_max_position_embeddings"])
     rot = int(g["head_dim"] * g["partial_full"])
-    return inv_frequencies(g["theta_full"], rot) / inv_frequencies(g["theta_full"], rot, sc)
+    f = inv_frequencies(g["theta_full"], rot) / inv_frequencies(g["theta_full"], rot, sc)
+    return torch.cat([f, torch.ones(max(rot, g["head_dim"]) // 2 - rot // 2, dtype=f.dtype)])
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -288,7 +291,7 @@ def gguf_tokenizer_metadata(vocab: int, bos: int = 0, eos: int = 1) -> dict[str,
         pairs = [(x, c) for x in level for c in letters]  # next level: longer space-led words
         level = [x + c for x in level for c in letters]
     types = [3, 3, 3] + [1] * (vocab - 3)
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.bos_token_id": bos, "tokenizer.ggml.eos_token_id": eos,
             "tokenizer.ggml.add_bos_token": True}
@@ -312,7 +315,9 @@ def _gguf_metadata(g: dict) -> dict[str, Any]:
         p + "attention.sliding_window": g["window"],
         p + "attention.sliding_window_pattern": [t == "sliding_attention" for t in types],
         p + "rope.freq_base": float(g["theta_full"]), p + "rope.freq_base_swa": float(g["theta_swa"]),
-        p + "rope.dimension_count": int(g["head_dim"] * g["partial_full"]),
+        # llama.cpp's step35 convention (memra.config._step35_from_gguf, "Rotary widths"): the
+        # full layers rotate half of dimension_count, the sliding layers dimension_count_swa
+        p + "rope.dimension_count": 2 * int(g["head_dim"] * g["partial_full"]),
         p + "rope.dimension_count_swa": g["head_dim"],
         p + "expert_count": g["experts"], p + "expert_used_count": g["top_k"],
         p + "expert_feed_forward_length": g["expert_inter"],

@@ -46,6 +46,7 @@ from tokenizers.models import BPE
 __all__ = [
     "TokenizerError",
     "Tokenizer",
+    "NoVocabTokenizer",
     "TokenType",
     "BPE_PRE_TOKENIZERS",
     "SUPPORTED_TOKENIZER_MODELS",
@@ -97,7 +98,9 @@ _LLAMA3_WORDS = (
 #: ``LLAMA_VOCAB_PRE_TYPE_*``). ``ignore_merges``: a word that is itself a token is
 #: taken whole before merging (llama3).
 BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
-    # LLAMA_VOCAB_PRE_TYPE_GPT2
+    # LLAMA_VOCAB_PRE_TYPE_GPT2: llama.cpp's name is "gpt-2" (it refuses "gpt2"); "gpt2" is
+    # what memra's synthetic step35 files wrote before 2026-12 and is still read the same way.
+    "gpt-2": ((_GPT2_WORDS,), False, False),
     "gpt2": ((_GPT2_WORDS,), False, False),
     # LLAMA_VOCAB_PRE_TYPE_SMOLLM / _STARCODER: every digit alone first, then GPT-2 words
     "smollm": ((r"\p{N}", _GPT2_WORDS), False, False),
@@ -113,6 +116,10 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
 
 #: ``tokenizer.ggml.model`` values memra can build.
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+
+#: ``tokenizer.ggml.model`` values that mean "no vocabulary" (llama.cpp ``llama_vocab::impl::load``:
+#: ``no_vocab`` / ``none`` -> ``LLAMA_VOCAB_TYPE_NONE``; benchmark files are often written so).
+NO_VOCAB_MODELS = ("none", "no_vocab")
 
 #: Token texts llama.cpp treats as end of generation whenever they are in the vocabulary
 #: (``llama_vocab::impl::load``, "maintain a list of tokens that cause end-of-generation").
@@ -220,6 +227,8 @@ class Tokenizer:
         chat_template: ``tokenizer.chat_template`` (str) or None.
     """
 
+    has_vocab = True  # False on NoVocabTokenizer
+
     def __init__(
         self,
         backend: _HFTokenizer,
@@ -298,6 +307,8 @@ class Tokenizer:
         if not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a mapping of GGUF keys, got {type(meta).__name__}")
         model = meta.get("tokenizer.ggml.model")
+        if model in NO_VOCAB_MODELS:
+            return NoVocabTokenizer.from_gguf_metadata(meta)
         if model not in SUPPORTED_TOKENIZER_MODELS:
             raise TokenizerError(
                 f"GGUF tokenizer.ggml.model is {model!r}; memra supports "
@@ -670,3 +681,76 @@ class Tokenizer:
             f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size}, "
             f"bos={self.bos_token_id}, eos={self.eos_token_id}, add_bos={self.add_bos})"
         )
+
+
+class NoVocabTokenizer:
+    """The "tokenizer" of a GGUF without a vocabulary (``tokenizer.ggml.model`` = ``none``).
+
+    Prompts must be token ids; completions carry token ids and empty text (as vLLM with
+    ``skip_tokenizer_init``). llama.cpp loads such files too (``LLAMA_VOCAB_TYPE_NONE``), so
+    memra and llama.cpp can run the same benchmark file.
+
+    Attributes:
+        vocab_size: ``{arch}.vocab_size`` (ids are ``0..vocab_size-1``), or None if absent.
+        bos_token_id, eos_token_id: from the GGUF when given, else None.
+    """
+
+    model = "none"
+    pre = None
+    chat_template = None
+    add_bos = add_eos = False
+    has_vocab = False
+
+    def __init__(self, vocab_size: int | None, bos_token_id: int | None, eos_token_id: int | None,
+                 name: str | None = None):
+        self.vocab_size, self.bos_token_id, self.eos_token_id, self.name = vocab_size, bos_token_id, eos_token_id, name
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> NoVocabTokenizer:
+        """Build from GGUF metadata (``general.architecture``'s ``vocab_size``, bos/eos ids).
+
+        Raises:
+            TokenizerError: a bos/eos id or the vocab size is not a non-negative integer.
+        """
+        arch = meta.get("general.architecture")
+        n = meta.get(f"{arch}.vocab_size") if isinstance(arch, str) else None
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise TokenizerError(f"GGUF key '{arch}.vocab_size' = {n!r} must be a positive integer")
+        ids = {}
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            v = meta.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                  or (n is not None and v >= n)):
+                raise TokenizerError(f"GGUF key {key!r} = {v!r} is not a token id in [0, {n})")
+            ids[key] = v
+        name = meta.get("general.name") if isinstance(meta.get("general.name"), str) else None
+        return cls(n, ids["tokenizer.ggml.bos_token_id"], ids["tokenizer.ggml.eos_token_id"], name)
+
+    def _refuse(self, what: str):
+        who = f"model {self.name!r}" if self.name else "this model"
+        raise TokenizerError(f"{who} has no vocabulary (GGUF tokenizer.ggml.model = 'none'): {what}; give the "
+                             "prompt as token ids")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The EOS id if the file gives one (a new list each call)."""
+        return [] if self.eos_token_id is None else [self.eos_token_id]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Raises TokenizerError: text cannot be tokenized without a vocabulary."""
+        self._refuse("text prompts cannot be tokenized")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Always ``""``: there is no text for token ids without a vocabulary."""
+        return ""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        """Raises TokenizerError: no vocabulary, so no chat template either."""
+        self._refuse("chat messages cannot be rendered or tokenized")
+
+    def __repr__(self) -> str:
+        return f"NoVocabTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_id})"

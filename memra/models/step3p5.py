@@ -426,7 +426,7 @@ class Step35ForCausalLM(CausalLM):
         ``blk.N.ffn_{gate,up}_exps`` [E, I, D] and ``ffn_down_exps`` [E, D, I] (torch order);
         norm weights hold 1 + w (nothing is added at load); q/k rows are **not** permuted
         (llama.cpp runs step35 with NEOX rope, so its converter keeps HF row order).
-        ``rope_freqs`` (rotary_dim / 2 llama3 factors) applies to the full-attention layers.
+        ``rope_freqs`` (llama3 factors) applies to the full-attention layers (:meth:`adjust_config`).
         MTP layer j is ``blk.{num_layers + j}`` with ``nextn.*`` tensors.
 
         Raises:
@@ -438,6 +438,38 @@ class Step35ForCausalLM(CausalLM):
         if "rope_freqs.weight" in ckpt:
             w.used.add("rope_freqs.weight")
         return cls._build(w, progress, device)
+
+    @classmethod
+    def adjust_config(cls, ckpt: GGUFCheckpoint, config: ModelConfig) -> ModelConfig:
+        """Fold ``rope_freqs`` into the full-attention layers' (decoder and MTP) rope factors, as
+        llama.cpp's step35 does: one shared f32 tensor of ``max_rotary / 2`` entries (max over
+        every layer's rotary width, ``src/models/step35.cpp`` ``n_rot_max``), of which a
+        full-attention layer uses the first ``rotary_dim / 2``; sliding layers use none
+        (llama.cpp passes no factors to their ``ggml_rope_ext``). llama.cpp's converter pads
+        the unused tail with 1.0.
+
+        Raises:
+            CheckpointError: ``rope_freqs.weight`` has another shape (the message names the
+                rotary metadata it contradicts).
+        """
+        if "rope_freqs.weight" not in ckpt:
+            return config
+        import dataclasses
+
+        every = config.layers + config.mtp_layers
+        half = max(lc.rotary_dim for lc in every) // 2
+        why = (f"max rotary width / 2 = {half}, from step35.rope.dimension_count(_swa): full layers rotate "
+               f"{sorted({lc.rotary_dim for lc in every if lc.attention == 'full'})}, sliding layers "
+               f"{sorted({lc.rotary_dim for lc in every if lc.attention == 'sliding'})} dims")
+        f = ckpt.tensor("rope_freqs.weight", (half,), why=why).dequantize()
+
+        def fold(lc: LayerConfig) -> LayerConfig:
+            if lc.attention != "full":
+                return lc
+            return dataclasses.replace(lc, rope_freq_factors=tuple(float(x) for x in f[: lc.rotary_dim // 2]))
+
+        return dataclasses.replace(config, layers=[fold(lc) for lc in config.layers],
+                                   mtp_layers=[fold(lc) for lc in config.mtp_layers])
 
     @classmethod
     def _build(cls, w: HFWeights, progress: bool, device: torch.device | str | None = None) -> Step35ForCausalLM:
