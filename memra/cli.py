@@ -248,6 +248,11 @@ def cmd_convert_synth(a: argparse.Namespace) -> int:
     from .io.synthetic import describe, load_geometry, write_synthetic
 
     g = load_geometry(a.geometry)
+    if a.vocab_from is not None:
+        from .hub import resolve_model
+        from .io.synthetic import with_vocabulary
+
+        g = with_vocabulary(g, resolve_model(a.vocab_from))
     out = write_synthetic(g, a.format, a.seed, a.out)
     print(f"wrote {out} ({a.format}, seed {a.seed}): {describe(g)}")
     return 0
@@ -334,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--format", required=True, choices=list(_SYNTH_FORMATS))
     cs.add_argument("--seed", type=int, default=0)
     cs.add_argument("--out", required=True, help="output directory (hf-*) or .gguf file (gguf-*)")
+    cs.add_argument("--vocab-from", default=None, metavar="MODEL",
+                    help="take the vocabulary (tokenizer, size, bos/eos) from this GGUF model or model key, "
+                         "e.g. smollm2-135m, whose pre-tokenizer llama.cpp's convert_hf_to_gguf.py recognises; "
+                         "default: a tiny synthetic byte-level BPE vocabulary")
     cs.set_defaults(func=cmd_convert_synth)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -3,7 +3,7 @@
 Oracles:
 * transformers 5.24: ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` (its
   backend, disk-cached by conftest) for smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m;
-* llama.cpp (April 2024, ``tests/refs/llamacpp.py``) vocab-only, for smollm2 and qwen2.
+* llama.cpp of 2026-10-01 (``memra.bench.llamacpp``) vocab-only, for all three.
 
 Where an oracle differs from memra, the cause was investigated and is pinned below:
 the divergence must still be there, and an oracle without the cause must agree.
@@ -21,7 +21,7 @@ from memra.io.tokenizer import BPE_PRE_TOKENIZERS, Tokenizer, TokenizerError, To
 
 SMOLLM, QWEN, GEMMA = "smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"
 KEYS = (SMOLLM, QWEN, GEMMA)
-LLAMACPP_KEYS = (SMOLLM, QWEN)  # this llama.cpp has no gemma3
+LLAMACPP_KEYS = KEYS
 
 CORPUS = {
     "prose": "The quick brown fox jumps over the lazy dog. It's 5 o'clock; we'll see what they've done!",
@@ -86,29 +86,12 @@ HF_DIVERGENCES = {
     (GEMMA, "long_space_run"): "transformers builds >31-space runs by BPE, not longest match",
 }
 
-# --- divergences from llama.cpp 0.2.62 (April 2024) (investigated) -------------------
+# --- llama.cpp of 2026-10-01 (memra.bench.llamacpp): no divergences -------------------
 #
-# That llama.cpp predates tokenizer.ggml.pre (llama.cpp PR 6920, 2024-04-29): it cuts
-# every byte-level BPE text into words with bpe_gpt2_preprocess, a hand-written
-# approximation of GPT-2's pattern with quirks: a word's first character, whatever its
-# class, stays glued to the run that follows ('(n', 'ĉprintf', '"','%d'); newline runs
-# and newlines after symbols are never grouped ('Ċ','Ċ' and '):','Ċ'); no digit split.
-# Qwen2's pattern groups exactly those, so on these items it differs from the model's own
-# tokenizer, from transformers and from current llama.cpp (whose LLAMA_VOCAB_PRE_TYPE_QWEN2
-# and _SMOLLM regexes memra uses). It also matches UNUSED (type 5) tokens such as Qwen's
-# "[PAD151665]" in text; transformers and current llama.cpp match only control and
-# user-defined tokens. On a divergent item the test checks that llama.cpp's ids still
-# spell the same text and that memra equals the model's reference tokenizer.
-OLD_SPLITTER = "old llama.cpp word splitter (no tokenizer.ggml.pre support)"
-UNUSED_MATCHED = "old llama.cpp matches UNUSED tokens in text"
-LLAMACPP_DIVERGENCES = {
-    (SMOLLM, "spaces_before_digits"): OLD_SPLITTER,
-    **{(QWEN, item): OLD_SPLITTER for item in (
-        "python", "c_tabs", "spaces_before_digits", "whitespace_runs", "crlf",
-        "gemma_turns", "bos_in_text", "html",
-    )},
-    (QWEN, "unused_token_text"): UNUSED_MATCHED,
-}
+# memra follows this llama.cpp's pre-tokenizer regexes (LLAMA_VOCAB_PRE_TYPE_*), its
+# special-token matching (control and user-defined tokens only) and its SentencePiece
+# user-defined-token handling, so every item must give the same ids on all three models.
+# (The April-2024 binding used before had no tokenizer.ggml.pre and no gemma3.)
 
 ITEMS = list(CORPUS)
 
@@ -146,10 +129,7 @@ def reference_tokenizer(hf_tokenizer):
 def llamacpp():
     from memra.bench import llamacpp as lc
 
-    try:
-        lc.ensure_llama_cpp()
-    except lc.LlamaCppUnavailable as e:
-        pytest.skip(f"llama.cpp reference unavailable: {e}")
+    lc.ensure_llama_cpp()  # builds it on a fresh machine; a failure fails these tests
     return lc
 
 
@@ -228,17 +208,7 @@ def test_encode_matches_llamacpp(key, item, memra_tokenizer, gguf_path, referenc
     for add_bos in (True, False):
         theirs = llamacpp.tokenize(path, text, add_bos=add_bos)
         ours = tok.encode(text, add_special_tokens=add_bos)
-        reason = LLAMACPP_DIVERGENCES.get((key, item))
-        if reason is None:
-            assert ours == theirs, f"memra {_tokens(tok, ours)}\nllama.cpp {_tokens(tok, theirs)}"
-            continue
-        assert ours != theirs, f"llama.cpp now agrees on {item!r}: drop it from LLAMACPP_DIVERGENCES"
-        assert tok.decode(theirs) == text  # llama.cpp's ids still spell the text
-        assert ours == reference_tokenizer(key).encode(text).ids
-        if reason == UNUSED_MATCHED:
-            unused = tok.token_to_id("[PAD151665]")
-            assert tok.token_type(unused) == TokenType.UNUSED
-            assert unused in theirs and unused not in ours
+        assert ours == theirs, f"memra {_tokens(tok, ours)}\nllama.cpp {_tokens(tok, theirs)}"
 
 
 @pytest.mark.parametrize("item", ITEMS)

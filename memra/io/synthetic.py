@@ -99,7 +99,7 @@ def load_geometry(spec: str | dict) -> dict[str, Any]:
             raise SynthError(f"{p}: not valid JSON ({e})") from None
         if not isinstance(over, dict):
             raise SynthError(f"{p}: expected a JSON object of geometry keys")
-    unknown = set(over) - set(GEOMETRIES["tiny"])
+    unknown = set(over) - set(GEOMETRIES["tiny"]) - {"tokenizer"}  # "tokenizer": from with_vocabulary
     if unknown:
         raise SynthError(f"unknown geometry keys {sorted(unknown)} (known: {sorted(GEOMETRIES['tiny'])})")
     g = dict(GEOMETRIES["tiny"]) | dict(over)
@@ -241,6 +241,32 @@ def rope_freq_factors(g: dict) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- tokenizer
+def vocabulary_metadata(g: dict) -> dict[str, Any]:
+    """The GGUF ``tokenizer.*`` metadata of geometry ``g``: the vocabulary taken from a real
+    model by :func:`with_vocabulary`, else memra's tiny byte-level BPE
+    (:func:`gguf_tokenizer_metadata`)."""
+    return g.get("tokenizer") or gguf_tokenizer_metadata(g["vocab"], g["bos"], g["eos"][0])
+
+
+def with_vocabulary(g: dict, gguf_path: str | Path) -> dict[str, Any]:
+    """Geometry ``g`` with the vocabulary of a real GGUF model (its ``tokenizer.*`` keys, size,
+    bos and eos): e.g. smollm2-135m's, whose pre-tokenizer llama.cpp's converter recognises
+    (it identifies BPE vocabularies by the hash of their tokenization of a test text, so no
+    synthetic vocabulary can pass it).
+
+    Raises:
+        SynthError: the file has no usable vocabulary (no tokens, no bos or eos id).
+    """
+    from .gguf import read_metadata
+
+    meta = {k: v for k, v in read_metadata(gguf_path).items() if k.startswith("tokenizer.")}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    if not isinstance(tokens, list) or not tokens or not isinstance(bos, int) or not isinstance(eos, int):
+        raise SynthError(f"{gguf_path}: needs tokenizer.ggml.tokens and bos/eos token ids to lend its vocabulary")
+    return dict(g, vocab=len(tokens), bos=bos, eos=[eos], tokenizer=meta)
+
+
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte -> printable character map, in byte order (the standard byte-level BPE alphabet)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
@@ -328,7 +354,7 @@ def _gguf_metadata(g: dict) -> dict[str, Any]:
         p + "swiglu_clamp_exp": [float(g["clamp_exp"]) if i in g["clamp_layers"] else 0.0 for i in range(n + m)],
         p + "swiglu_clamp_shexp": [float(g["clamp_shexp"]) if i in g["clamp_layers"] else 0.0
                                    for i in range(n + m)],
-    } | gguf_tokenizer_metadata(g["vocab"], g["bos"], g["eos"][0])
+    } | vocabulary_metadata(g)
 
 
 def _quantize_gguf(t: torch.Tensor, fmt: str, name: str):
@@ -408,11 +434,18 @@ def _write_hf(g: dict, fmt: str, seed: int, out: Path, shard_bytes: int = 2 << 3
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hub_config(g, fp8=fmt == "hf-fp8"), indent=1))
-    # the same tiny byte-level BPE vocabulary the GGUF formats carry, as tokenizer.json
-    tok = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(g["vocab"], g["bos"], g["eos"][0]))
-    tok._backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": tok.id_to_token(g["bos"]), "eos_token": tok.id_to_token(g["eos"][0]), "add_bos_token": True}))
+    # the same vocabulary the GGUF formats carry, as tokenizer.json; tokenizer_config.json names
+    # its class as the hub's files do (transformers' AutoTokenizer, and so llama.cpp's
+    # converter, need it: a step3p5 config.json is no class transformers 4.x knows)
+    meta = vocabulary_metadata(g)
+    tok = Tokenizer.from_gguf_metadata(meta)
+    tok.backend.save(str(out / "tokenizer.json"))
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.id_to_token(g["bos"]),
+            "eos_token": tok.id_to_token(g["eos"][0]), "add_bos_token": tok.add_bos,
+            "model_max_length": g["context"]}
+    if tok.chat_template is not None:
+        tcfg["chat_template"] = tok.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in synth_tensors(g, seed):
