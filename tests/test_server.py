@@ -138,6 +138,9 @@ def test_tokenize_detokenize_round_trip(http, engine):
     r = http.post("/tokenize", json={"messages": msgs})
     text = engine.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
     assert r.json()["tokens"] == engine.engine.tokenizer.encode(text, add_special_tokens=False)
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert r.json()["token_strs"] == [engine.engine.tokenizer.id_to_token(t) for t in r.json()["tokens"]]
+    assert "".join(r.json()["token_strs"]).replace("Ġ", " ") == "Hello world"
     r = http.post("/detokenize", json={"tokens": [10**9]})
     assert r.status_code == 400 and _error(r)["param"] == "tokens"
     r = http.post("/tokenize", json={"prompt": "a", "messages": msgs})
@@ -321,6 +324,27 @@ def test_chat_without_max_tokens_stops_at_eos(client):
     assert r.usage.total_tokens <= MAX_MODEL_LEN
 
 
+def test_logit_bias_bans_the_greedy_token(client, http):
+    first = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    tok = http.post("/tokenize", json={"prompt": first.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(tok[0]): -100})
+    assert banned.choices[0].text != first.choices[0].text
+    boosted = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0,
+                                        logit_bias={"17": 100})  # id 17 everywhere
+    assert boosted.choices[0].text == http.post("/detokenize", json={"tokens": [17, 17, 17]}).json()["prompt"]
+
+
+def test_min_tokens_defers_eos(client):
+    msgs = [{"role": "user", "content": "Say OK."}]
+    short = client.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=64)
+    assert short.choices[0].finish_reason == "stop"
+    k = short.usage.completion_tokens
+    longer = client.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=64,
+                                            extra_body={"min_tokens": k + 8})
+    assert longer.usage.completion_tokens >= k + 8
+
+
 # --------------------------------------------------------------------------- errors
 
 def test_invalid_temperature_is_400(client):
@@ -372,7 +396,13 @@ def test_wrong_or_missing_api_key_is_401(server):
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens = 2
+    ({"guided_json": {"type": "object"}}, "guided_json"),  # unknown fields are refused, named
+    ({"return_token_strs": True}, "return_token_strs"),
     ({"best_of": 3}, "best_of"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"seed": True}, "seed"),
@@ -412,9 +442,12 @@ def test_malformed_bodies_and_routes(http):
     assert r.status_code == 404 and _error(r)["type"] == "invalid_request_error"
     r = http.get("/v1/completions")
     assert r.status_code == 405 and _error(r)
-    # unknown fields are ignored; greedy with n > 1 is fine
+    # unknown fields are refused, named (as OpenAI's API does); greedy with n > 1 is fine
     r = http.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 1, "n": 2,
                                            "temperature": 0, "frobnicate": {"x": 1}, "user": "u1"})
+    assert r.status_code == 400 and _error(r)["param"] == "frobnicate" and "frobnicate" in _error(r)["message"]
+    r = http.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 1, "n": 2,
+                                           "temperature": 0, "user": "u1"})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 

@@ -286,6 +286,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= V]
         if bad:
             raise ValueError(f"invalid sampling parameter stop_token_ids: id {bad[0]} is outside the vocabulary [0, {V})")
+        bad = [t for t in params.logit_bias if t >= V]
+        if bad:
+            raise ValueError(f"invalid sampling parameter logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {V})")
         self.kv.check_fits(total, self.scheduler.max_num_batched_tokens)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -307,7 +311,8 @@ class LLMEngine:
         children = []
         for j in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{j}"
-            req = Request(rid, prompt_ids, params, Sampler(params, prompt_ids, V, seed_offset=j),
+            end_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+            req = Request(rid, prompt_ids, params, Sampler(params, prompt_ids, V, seed_offset=j, end_ids=end_ids),
                           OutputProcessor(j, self.tokenizer, params, self.eos_ids, prompt_ids), index=j,
                           prompt_logprobs=prompt_logprobs if j == 0 else None, arrival_time=arrival_time)
             req.parent_id = request_id

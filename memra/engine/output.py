@@ -59,7 +59,7 @@ class OutputProcessor:
         if r.token in self.stop_ids:
             return self._finish("stop", r.token)
         self.buffer += self.detok.add(r.token)
-        if self.params.stop:
+        if self.params.stop and len(out.token_ids) >= self.params.min_tokens:  # vLLM: none before min_tokens
             # the earliest match; at equal positions the stop string listed first
             hit = min(((i, k) for k, s in enumerate(self.params.stop) if (i := self.buffer.find(s)) >= 0),
                       default=None)

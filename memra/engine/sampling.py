@@ -41,6 +41,11 @@ class SamplingParams:
         ignore_eos: do not stop at eos ids.
         logprobs: return the top-n logprobs of each generated token (0..20) and the chosen one's.
         skip_special_tokens: omit special tokens from the text.
+        min_tokens: generate at least this many tokens (<= max_tokens): until then the
+            end-of-generation ids and ``stop_token_ids`` cannot be sampled and stop strings
+            are not matched (vLLM's ``min_tokens``).
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before
+            penalties and sampling (OpenAI's ``logit_bias``; -100 effectively bans a token).
 
     Raises:
         ValueError: on construction, naming the parameter that is out of range.
@@ -61,6 +66,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +90,12 @@ class SamplingParams:
              "a list of token ids >= 0"),
             ("logprobs", self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
              "an integer in [0, 20] or null"),
+            ("min_tokens", isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+             and 0 <= self.min_tokens <= (self.max_tokens if isinstance(self.max_tokens, int) else 0),
+             "an integer in [0, max_tokens]"),
+            ("logit_bias", isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0 and _finite(v) and -100 <= v <= 100
+                for k, v in self.logit_bias.items()), "a map of token ids >= 0 to numbers in [-100, 100]"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -115,8 +128,24 @@ class Sampler:
         vocab_size: size of the logits' last dimension.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, seed_offset: int = 0):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, seed_offset: int = 0,
+                 end_ids: list[int] | None = None):
+        """``end_ids``: the ids that end a completion (eos unless ignore_eos, stop_token_ids),
+        kept from being sampled until ``params.min_tokens`` tokens exist.
+
+        Raises: ValueError if a ``logit_bias`` or ``end_ids`` id is outside the vocabulary."""
         self.params = params
+        bad = [t for t in list(params.logit_bias) + list(end_ids or []) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"invalid sampling parameter logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            self.bias[ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        self.end_ids = torch.tensor(sorted(set(end_ids or [])), dtype=torch.long)
+        self.generated = 0
         self.vocab_size = vocab_size
         self.generator = torch.Generator()
         if params.seed is not None:
@@ -139,6 +168,7 @@ class Sampler:
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} is outside the vocabulary [0, {self.vocab_size})")
         self.counts[token] += 1
+        self.generated += 1
         return SampleResult(token)
 
     def sample(self, logits: torch.Tensor) -> SampleResult:
@@ -149,6 +179,10 @@ class Sampler:
         if p.logprobs is not None:
             raw_lp = torch.log_softmax(logits, dim=-1)
         x = logits  # every step below is out of place
+        if self.bias is not None:
+            x = x + self.bias
+        if self.generated < p.min_tokens and self.end_ids.numel():
+            x = x.index_fill(0, self.end_ids, float("-inf"))
         if p.repetition_penalty != 1.0:
             seen = self.seen | (self.counts > 0)
             x = torch.where(seen & (x > 0), x / p.repetition_penalty, torch.where(seen, x * p.repetition_penalty, x))
@@ -188,4 +222,5 @@ class Sampler:
             else:
                 result.top = []
         self.counts[token] += 1
+        self.generated += 1
         return result

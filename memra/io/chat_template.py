@@ -23,8 +23,11 @@ saying what went wrong and, for runtime failures, at which template line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -40,8 +43,11 @@ __all__ = [
     "ChatTemplateSecurityError",
     "ChatTemplateRejected",
     "NoChatTemplateError",
+    "ChatTemplateLimitError",
     "compile_chat_template",
     "render_chat_template",
+    "render_chat_template_bounded",
+    "RenderLimits",
     "MAX_REPEAT_LENGTH",
     "MAX_POWER_EXPONENT",
 ]
@@ -58,6 +64,11 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplateSecurityError(ChatTemplateError):
     """A chat template tried to reach Python internals, mutate its inputs, or exceed a sandbox limit."""
+
+
+class ChatTemplateLimitError(ChatTemplateSecurityError):
+    """Rendering exceeded a bound of :class:`RenderLimits` (time, output size or memory); the
+    message names the bound and its value."""
 
 
 class ChatTemplateRejected(ChatTemplateError):
@@ -239,9 +250,11 @@ def render_chat_template(
     tools: Sequence[Mapping[str, Any]] | None = None,
     bos_token: str = "",
     eos_token: str = "",
+    max_output_chars: int | None = None,
     **kwargs: Any,
 ) -> str:
-    """Render a chat template over a conversation.
+    """Render a chat template over a conversation, in this process (no time or memory
+    bound: for untrusted templates use :func:`render_chat_template_bounded`).
 
     Args:
         template: Jinja2 template text (e.g. a GGUF's ``tokenizer.chat_template``).
@@ -251,6 +264,7 @@ def render_chat_template(
         add_generation_prompt: ask the template to open the assistant's turn.
         tools: tool descriptions (JSON-schema function specs) or None.
         bos_token, eos_token: token texts the template may write.
+        max_output_chars: stop with :class:`ChatTemplateLimitError` once the output is longer.
         **kwargs: extra template variables (``enable_thinking``, ``documents``, ...);
             may not shadow the globals (``raise_exception``, ``strftime_now``, ``range``...).
 
@@ -287,7 +301,16 @@ def render_chat_template(
         eos_token=eos_token,
     )
     try:
-        return compiled.render(**context)
+        if max_output_chars is None:
+            return compiled.render(**context)
+        parts, n = [], 0
+        for piece in compiled.generate(**context):
+            n += len(piece)
+            if n > max_output_chars:
+                raise ChatTemplateLimitError(f"chat template output exceeded the limit of {max_output_chars} "
+                                             "characters")
+            parts.append(piece)
+        return "".join(parts)
     except ChatTemplateError:
         raise
     except SecurityError as e:
@@ -303,3 +326,160 @@ def render_chat_template(
 def _at(exc: BaseException) -> str:
     line = _template_line(exc)
     return "" if line is None else f" at line {line}"
+
+
+# ------------------------------------------------------------------ bounded rendering
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderLimits:
+    """Bounds on one chat-template render (:func:`render_chat_template_bounded`).
+
+    Attributes:
+        timeout_s: wall-clock seconds (the worker process is killed past it).
+        max_output_chars: longest rendered prompt, in characters.
+        memory_bytes: address-space cap of the worker process (``RLIMIT_AS``).
+    """
+
+    timeout_s: float = 1.0
+    max_output_chars: int = 4_000_000
+    memory_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        if not (self.timeout_s > 0 and self.max_output_chars > 0 and self.memory_bytes >= 64 << 20):
+            raise ValueError(f"invalid chat template limits {self}: timeout_s and max_output_chars must be "
+                             "positive, memory_bytes at least 64 MiB")
+
+
+class _Worker:
+    """One render process (``memra.io._template_worker``); replaced after a timeout."""
+
+    def __init__(self, memory_bytes: int):
+        import subprocess
+        import sys
+
+        self.memory_bytes = memory_bytes
+        self.proc = subprocess.Popen([sys.executable, "-m", "memra.io._template_worker", str(memory_bytes)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+    def call(self, request: tuple, timeout_s: float) -> tuple:
+        import pickle
+        import select
+        import struct
+        import time
+
+        data = pickle.dumps(request)
+        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+        self.proc.stdin.flush()
+        out = self.proc.stdout
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        need = 4
+        length = None
+        fd = out.fileno()
+        while len(buf) < need:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, need - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+            if length is None and len(buf) == 4:
+                (length,) = struct.unpack("<I", buf)
+                buf, need = b"", length
+        return pickle.loads(buf)
+
+
+class _WorkerPool:
+    """Up to ``size`` render processes shared by every thread of this process."""
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self.idle: list[_Worker] = []
+        self.count = 0
+        self.cond = threading.Condition()
+
+    def take(self, memory_bytes: int) -> _Worker:
+        with self.cond:
+            while True:
+                for i, w in enumerate(self.idle):
+                    if w.memory_bytes == memory_bytes and w.alive():
+                        return self.idle.pop(i)
+                if self.count < self.size:
+                    self.count += 1
+                    break
+                if self.idle:  # an idle worker with other limits (or dead): replace it
+                    self.idle.pop(0).kill()
+                    self.count -= 1
+                    continue
+                self.cond.wait()
+        try:
+            return _Worker(memory_bytes)
+        except BaseException:
+            with self.cond:
+                self.count -= 1
+                self.cond.notify()
+            raise
+
+    def give(self, w: _Worker, ok: bool) -> None:
+        with self.cond:
+            if ok and w.alive():
+                self.idle.append(w)
+            else:
+                w.kill()
+                self.count -= 1
+            self.cond.notify()
+
+
+_POOL = _WorkerPool()
+
+
+def render_chat_template_bounded(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    limits: RenderLimits | None = None,
+    **kwargs: Any,
+) -> str:
+    """:func:`render_chat_template` in a separate worker process with hard bounds on time,
+    output size and memory, so an untrusted template (a GGUF's ``tokenizer.chat_template``)
+    cannot stall or exhaust the caller: a runaway render is killed and the next call starts a
+    fresh worker. Safe to call from many threads at once (up to 2 renders run in parallel).
+
+    Args:
+        limits: :class:`RenderLimits` (default: 1 s, 4,000,000 characters, 1 GiB).
+        template, messages, **kwargs: as :func:`render_chat_template`.
+
+    Raises:
+        ChatTemplateLimitError: a bound was exceeded (the message names it and its value).
+        everything :func:`render_chat_template` raises.
+    """
+    limits = limits or RenderLimits()
+    compile_chat_template(template)  # syntax errors are found here, without a round trip
+    messages = _check_messages(messages)
+    kwargs = {k: _plain(v, k) for k, v in kwargs.items()}
+    w = _POOL.take(limits.memory_bytes)
+    ok = False
+    try:
+        status, value = w.call((template, messages, kwargs, limits.max_output_chars), limits.timeout_s)
+        ok = True
+    except TimeoutError:
+        raise ChatTemplateLimitError(f"chat template rendering exceeded the time limit of {limits.timeout_s:g} s "
+                                     "and was stopped") from None
+    except (EOFError, OSError) as e:  # the worker died (e.g. killed by the memory cap)
+        raise ChatTemplateLimitError(f"chat template rendering stopped its worker process ({type(e).__name__}); "
+                                     f"memory limit {limits.memory_bytes >> 20} MiB") from None
+    finally:
+        _POOL.give(w, ok)
+    if status == "ok":
+        return value
+    raise value

@@ -636,9 +636,13 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         chat_template: str | None = None,
+        limits: Any = None,
         **kwargs: Any,
     ) -> str:
-        """Render a conversation into prompt text with the model's chat template.
+        """Render a conversation into prompt text with the model's chat template, in a worker
+        process bounded in time, output size and memory
+        (:func:`memra.io.chat_template.render_chat_template_bounded`; ``limits`` a
+        :class:`~memra.io.chat_template.RenderLimits`, default 1 s / 4 M characters / 1 GiB).
 
         Args:
             messages: OpenAI-style messages (``{"role": ..., "content": ...}``).
@@ -656,8 +660,9 @@ class Tokenizer:
             ChatTemplateError: the template is invalid, fails, or calls
                 ``raise_exception`` (see :mod:`memra.io.chat_template`).
             ChatTemplateSecurityError: the template tries to reach Python internals.
+            ChatTemplateLimitError: the render exceeded a bound of ``limits``.
         """
-        from .chat_template import NoChatTemplateError, render_chat_template
+        from .chat_template import NoChatTemplateError, render_chat_template_bounded
 
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
@@ -666,9 +671,10 @@ class Tokenizer:
                 f"{who} has no chat template (GGUF key 'tokenizer.chat_template' is absent; "
                 f"it is probably a base model): pass a template explicitly or use plain completion"
             )
-        return render_chat_template(
+        return render_chat_template_bounded(
             template,
             messages,
+            limits=limits,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             bos_token=self.bos_token,

@@ -194,6 +194,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         err = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON: {err}".rstrip(": "))
+    unknown = [".".join(str(x) for x in e.get("loc", ())[1:]) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        names = ", ".join(repr(u) for u in unknown)
+        return APIError(400, f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {names}",
+                        param=unknown[0])
     param, tag = _split_loc(list(first.get("loc", ())))
     if not param:
         msg = "a JSON object body is required" if first.get("type") == "missing" else first.get("msg", "invalid")
@@ -761,7 +766,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         except (ValueError, TypeError) as e:
             raise _to_api_error(e if isinstance(e, ValueError) else ValueError(str(e)),
                                 "prompt" if body.prompt is not None else "messages") from None
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
+        strs = [srv.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

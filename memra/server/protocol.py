@@ -68,9 +68,10 @@ def random_id(prefix: str) -> str:
 # --------------------------------------------------------------------------- requests
 
 class _Request(BaseModel):
-    """Base of request bodies: strict types, no NaN/inf, unknown fields ignored."""
+    """Base of request bodies: strict types, no NaN/inf, unknown fields refused (400 naming
+    them, as OpenAI's API does)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -99,12 +100,23 @@ class _SamplingFields(_Request):
     skip_special_tokens: StrictBool | None = True
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, StrictFloat] | None = Field(None, description="not supported (must be empty)")
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
+    min_tokens: StrictInt | None = Field(None, ge=0, description="generate at least this many tokens before "
+                                                                 "EOS / stop_token_ids / stop strings (vLLM)")
     user: StrictStr | None = Field(None, description="ignored")
 
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.isdigit():
+                raise ProtocolError(f"logit_bias keys must be token ids (decimal strings), got {k!r}", "logit_bias")
+            if not -100 <= v <= 100:
+                raise ProtocolError(f"logit_bias[{k!r}] = {v} must be in [-100, 100]", "logit_bias")
+            out[int(k)] = float(v)
+        return out
+
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
@@ -120,6 +132,7 @@ class _SamplingFields(_Request):
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = self._logit_bias()
         try:
             return SamplingParams(
                 n=1 if self.n is None else self.n,
@@ -134,6 +147,7 @@ class _SamplingFields(_Request):
                 seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+                min_tokens=self.min_tokens or 0, logit_bias=bias,
             )
         except ValueError as e:  # "invalid sampling parameter NAME=...": name the parameter
             raise ProtocolError(str(e), _param_of(str(e))) from None
@@ -327,6 +341,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = True
+    return_token_strs: StrictBool | None = Field(False, description="also return each token's text (vLLM)")
 
     def check(self) -> None:
         """Raises: ProtocolError unless exactly one of ``prompt`` / ``messages`` is given."""
@@ -478,6 +493,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):
