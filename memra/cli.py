@@ -167,7 +167,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        enable_prefix_caching=not a.no_prefix_caching, device=a.device,
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
     return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
-                      max_queue=a.max_queue, log_level=a.log_level)
+                      max_queue=a.max_queue, log_level=a.log_level, max_body_bytes=a.max_request_body,
+                      chat_template_timeout_s=a.chat_template_timeout)
 
 
 def _inspect_config_only(a: argparse.Namespace) -> int:
@@ -317,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None,
                     help="most requests waiting for admission; more are answered 429 (None: unbounded)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    sv.add_argument("--max-request-body", type=_size, default=4 << 20,
+                    help="largest POST body in bytes (e.g. 4MiB); larger ones are answered 413 before parsing")
+    sv.add_argument("--chat-template-timeout", type=float, default=1.0,
+                    help="seconds one chat-template render may take (a separate bounded process renders it; "
+                         "past it the request gets 400)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn log level")
     sv.set_defaults(func=cmd_serve)

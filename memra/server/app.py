@@ -301,6 +301,75 @@ class _InternalErrorMiddleware:
             await _to_api_error(exc).response()(scope, receive, send)
 
 
+#: Default ``--max-request-body``: larger bodies get 413 before they are parsed.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+class _BodyGuardMiddleware:
+    """ASGI middleware in front of every POST: a body larger than ``max_bytes`` gets 413
+    (from ``Content-Length`` at once, or as soon as a streamed body passes the bound) and a
+    body that is not ``application/json`` gets 415, both in OpenAI's error shape and before
+    anything is parsed or tokenized."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _refuse(self, scope, receive, send, status: int, message: str, param: str | None = None):
+        await APIError(status, message, param=param).response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            got = f"Content-Type {ctype!r}" if ctype else "no Content-Type header"
+            return await self._refuse(scope, receive, send, 415,
+                                      f"the request body must be JSON sent with 'Content-Type: application/json' "
+                                      f"(got {got})")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send, 413, f"the request body of {int(length)} bytes is larger "
+                                      f"than this server's limit of {self.max_bytes} bytes (--max-request-body)")
+        seen = 0
+        too_big = False
+
+        async def guarded_receive():
+            nonlocal seen, too_big
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_big = True
+                    raise _BodyTooLarge
+            return message
+
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, send_tracked)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse(scope, receive, send, 413, f"the request body is larger than this server's limit "
+                                   f"of {self.max_bytes} bytes (--max-request-body)")
+        except Exception:
+            if too_big and not started:
+                await self._refuse(scope, receive, send, 413, f"the request body is larger than this server's limit "
+                                   f"of {self.max_bytes} bytes (--max-request-body)")
+            else:
+                raise
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
 # --------------------------------------------------------------------------- engine runs
 
 class _ClientDisconnected(Exception):
@@ -477,9 +546,14 @@ def _lp(x: float | None) -> float | None:
 class _Server:
     """State behind the routes: engine, tokenizer, names, metrics."""
 
-    def __init__(self, engine, served_model_name: str | None, disconnect_poll_s: float):
+    def __init__(self, engine, served_model_name: str | None, disconnect_poll_s: float, template_timeout_s: float):
+        from ..io.chat_template import RenderLimits
+
         self.engine = engine
         llm = engine.engine
+        # a rendered prompt longer than this many characters could never fit the context
+        self.template_limits = RenderLimits(timeout_s=template_timeout_s,
+                                            max_output_chars=max(1 << 16, 64 * llm.max_model_len))
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.config.vocab_size
         self.max_model_len = llm.max_model_len
@@ -488,6 +562,10 @@ class _Server:
         self.created = int(time.time())
         self.poll_s = disconnect_poll_s
         self.metrics = ServerMetrics(engine.stats, self.model_name)
+        # the longest token text (>= the characters it decodes to): bounds a text's token count from below
+        tok = self.tokenizer
+        self.max_token_chars = (max(len(tok.id_to_token(i)) for i in range(tok.vocab_size))
+                                if getattr(tok, "has_vocab", True) and hasattr(tok, "id_to_token") else 0)
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------ helpers
@@ -525,9 +603,20 @@ class _Server:
             return list(spelling.replace("▁", " ").encode("utf-8"))
         return list(self.token_text(token_id).encode("utf-8"))
 
+    def check_text_length(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the context: no token spells more
+        than :attr:`max_token_chars` characters, so such a text has more than max_model_len tokens.
+
+        Raises: APIError 400 ``context_length_exceeded``."""
+        if self.max_token_chars and len(text) > self.max_token_chars * self.max_model_len:
+            raise APIError(400, f"the {param} has {len(text)} characters: with at most {self.max_token_chars} "
+                           f"characters per token of this vocabulary that is more than the context length of "
+                           f"{self.max_model_len} tokens", param=param, code="context_length_exceeded")
+
     async def encode_prompt(self, prompt: str | list[int], index: int) -> list[int]:
         if isinstance(prompt, str):
             _check_unicode(prompt, "prompt")
+            self.check_text_length(prompt, "prompt")
             ids = await _in_thread(self.tokenizer.encode, prompt)
             if not ids:
                 raise APIError(400, f"prompt {index} is empty: it must contain at least one token", param="prompt")
@@ -673,7 +762,8 @@ class _Server:
 # --------------------------------------------------------------------------- app
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-               disconnect_poll_s: float = 0.2) -> FastAPI:
+               disconnect_poll_s: float = 0.2, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_template_timeout_s: float = 1.0) -> FastAPI:
     """Build the FastAPI app serving ``engine``.
 
     Args:
@@ -683,16 +773,22 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             ``model_name``).
         api_key: if set, every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``.
         disconnect_poll_s: how often a non-streaming request checks for a gone client (s).
+        max_body_bytes: larger POST bodies get 413 before parsing; non-JSON ones get 415.
+        chat_template_timeout_s: wall-time bound of one chat-template render (its output is
+            bounded at 64 characters per token of context, its memory at 1 GiB).
 
     Raises:
-        ValueError: ``api_key`` is empty or not printable ASCII.
+        ValueError: ``api_key`` is empty or not printable ASCII; ``max_body_bytes`` < 1.
     """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes} must be >= 1")
     api_key = check_api_key(api_key, "api_key")
-    srv = _Server(engine, served_model_name, disconnect_poll_s)
+    srv = _Server(engine, served_model_name, disconnect_poll_s, chat_template_timeout_s)
     app = FastAPI(title="memra OpenAI-compatible server", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions served by memra.")
     app.state.server = srv
     app.add_middleware(_InternalErrorMiddleware)
+    app.add_middleware(_BodyGuardMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
 
@@ -759,7 +855,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                                        add_special_tokens=body.add_special_tokens is not False)
             else:
                 msgs = [m.template_dict(i) for i, m in enumerate(body.messages)]
-                text = await _in_thread(srv.tokenizer.apply_chat_template, msgs,
+                text = await _in_thread(srv.tokenizer.apply_chat_template, msgs, limits=srv.template_limits,
                                         add_generation_prompt=body.add_generation_prompt is not False)
                 _check_unicode(text, "messages")
                 ids = await _in_thread(srv.tokenizer.encode, text, add_special_tokens=bool(body.add_special_tokens))
@@ -827,13 +923,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         try:
             messages = body.template_messages()
             kwargs = body.template_kwargs()
-            text = await _in_thread(srv.tokenizer.apply_chat_template, messages,
+            text = await _in_thread(srv.tokenizer.apply_chat_template, messages, limits=srv.template_limits,
                                     add_generation_prompt=body.add_generation_prompt is not False, **kwargs)
         except TypeError as e:  # e.g. chat_template_kwargs colliding with a template argument
             raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         except ValueError as e:  # ChatTemplateError (incl. no template, raise_exception), ProtocolError
             raise _to_api_error(e, "messages") from None
         _check_unicode(text, "messages")
+        srv.check_text_length(text, "messages")
         ids = await _in_thread(srv.tokenizer.encode, text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the rendered conversation is empty", param="messages")
@@ -990,7 +1087,8 @@ def parse_size(text: str) -> int:
 
 def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_queue: int | None = None,
-               log_level: str = "info") -> int:
+               log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_template_timeout_s: float = 1.0) -> int:
     """Load the model, start the engine and serve until interrupted (``memra serve``).
 
     Args:
@@ -999,6 +1097,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         api_key: bearer key required on every route but /health and /metrics (None: none).
         served_model_name: the name clients send as ``model`` (default: the model key).
         max_queue: most unfinished requests in the engine; more get 429 (None: unbounded).
+        max_body_bytes, chat_template_timeout_s: as :func:`create_app`.
 
     Returns:
         0 after a clean shutdown.
@@ -1017,8 +1116,12 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         raise ValueError(f"--max-queue {max_queue} must be >= 1")
     # take the port before the model loads: a busy port fails in a second, not after the load
     sock = _bind(host, port)
+    if not chat_template_timeout_s > 0:
+        raise ValueError(f"--chat-template-timeout {chat_template_timeout_s} must be > 0 seconds")
     engine = AsyncLLMEngine(LLMEngine(engine_config), max_queue=max_queue)
-    app = create_app(engine, served_model_name=served_model_name, api_key=api_key)
+    app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                     chat_template_timeout_s=chat_template_timeout_s)
+    check_chat_template(app.state.server)
     name = app.state.server.model_name
     engine.start()
     try:
@@ -1035,6 +1138,26 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         engine.shutdown()
         sock.close()
     return 0
+
+
+def check_chat_template(srv) -> None:
+    """Render a plain two-message conversation with the model's chat template (if it has one)
+    under the server's limits, so a template that cannot (a runaway, a broken one) refuses the
+    start-up instead of failing every chat request.
+
+    Raises:
+        ValueError: the render failed; the message names the template problem.
+    """
+    from ..io.chat_template import ChatTemplateError
+
+    if getattr(srv.tokenizer, "chat_template", None) is None:
+        return
+    msgs = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"}]
+    try:
+        srv.tokenizer.apply_chat_template(msgs, add_generation_prompt=False, limits=srv.template_limits)
+    except ChatTemplateError as e:
+        raise ValueError(f"the model's chat template cannot render a plain user/assistant conversation, so "
+                         f"chat requests could never succeed: {e}") from None
 
 
 def _bind(host: str, port: int):
