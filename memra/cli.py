@@ -77,12 +77,25 @@ def _load(a: argparse.Namespace):
                gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
 
 
+def _finish_line(reason: str | None, stop, n_tokens: int, max_tokens: int, tokenizer) -> str:
+    """What ended a completion, for stderr (as llama.cpp's CLI reports it)."""
+    if reason == "length":
+        return f"[finished: length, max_tokens={max_tokens} reached after {n_tokens} tokens]"
+    if reason == "stop" and isinstance(stop, str):
+        return f"[finished: stop, stop string {stop!r}, {n_tokens} tokens]"
+    if reason == "stop":
+        name = tokenizer.id_to_token(stop) if stop is not None and hasattr(tokenizer, "id_to_token") else None
+        what = f"end-of-generation token {stop}" + (f" {name!r}" if name else "")
+        return f"[finished: stop, {what}, {n_tokens} tokens]"
+    return f"[finished: {reason}, {n_tokens} tokens]"
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     params = _params(a)
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     llm = _load(a)
-    prompt = a.prompt
     if a.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True)
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         prompt = llm.tokenizer.encode(prompt, add_special_tokens=False)
     if params.logprobs is not None:
         out = llm.generate([prompt], params)[0].outputs[0]
@@ -90,12 +103,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
         for tok, lp, top in out.logprobs:
             alts = ", ".join(f"{llm.tokenizer.decode([i])!r}:{v:.3f}" for i, v in top)
             print(f"{llm.tokenizer.decode([tok])!r}\t{lp:.4f}\t{alts}")
+        print(_finish_line(out.finish_reason, out.stop_reason, len(out.token_ids), params.max_tokens, llm.tokenizer),
+              file=sys.stderr)
         return 0
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
     m = llm.last_metrics
+    print(_finish_line(m["finish_reason"], m["stop_reason"], m["completion_tokens"], params.max_tokens, llm.tokenizer),
+          file=sys.stderr)
     if a.verbose:
         print(f"[prompt {m['prompt_tokens']} tok, first token after {m['ttft_s']:.3f} s; {m['decode_tokens']} decode "
               f"steps in {m['decode_s']:.3f} s]", file=sys.stderr)
@@ -183,11 +200,14 @@ def _inspect_config_only(a: argparse.Namespace) -> int:
 
         config, where = model_config(load_geometry(a.geometry)), f"synthetic geometry {a.geometry}"
     else:
+        from .io.safetensors import read_hf_dir
+
         d = Path(a.file).expanduser()
-        cfg_path = d / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{d}: a model directory needs a config.json (Hugging Face layout)")
-        config, where = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), str(cfg_path)), str(d)
+        # the same checks as loading: config.json, every safetensors header (dtypes, shapes,
+        # offsets within the file and not overlapping), the shard index
+        ck = read_hf_dir(d)
+        config, where = ModelConfig.from_hf_config(ck.config, str(d / "config.json")), str(d)
+        where += f" ({len(ck.names())} tensors, {ck.parameter_count():,} parameters in the safetensors files)"
     acct = step35_bytes(config, context=a.context) if config.arch == "step35" else None
     if a.json:
         print(json.dumps({"source": where, "config": config.summary(), "bytes": acct}, indent=2, default=str))
@@ -284,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="complete a prompt", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the prompt text; '-' reads it from standard input")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     _add_sampling(g)
@@ -333,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inspect a synthetic Step-3.5 geometry instead (tiny, full or a JSON file): config, "
                         "parameters, resident and per-decode-step bytes by format")
     i.add_argument("--context", type=int, default=0, help="tokens in the KV cache for the KV-read figure")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print the result as JSON")
     i.add_argument("--metadata", action="store_true", help="also print every metadata key (arrays summarised)")
     i.set_defaults(func=cmd_inspect)
 
@@ -342,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     cs = cvsub.add_parser("synth", help="write a deterministic random Step-3.5 checkpoint",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cs.add_argument("--geometry", default="tiny", help="tiny, full, or a JSON file of geometry keys")
-    cs.add_argument("--format", required=True, choices=list(_SYNTH_FORMATS))
-    cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--format", required=True, choices=list(_SYNTH_FORMATS), help="checkpoint format to write")
+    cs.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed: same file)")
     cs.add_argument("--out", required=True, help="output directory (hf-*) or .gguf file (gguf-*)")
     cs.add_argument("--vocab-from", default=None, metavar="MODEL",
                     help="take the vocabulary (tokenizer, size, bos/eos) from this GGUF model or model key, "

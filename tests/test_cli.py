@@ -89,3 +89,69 @@ def test_every_help_page_renders(capsys):
             build_parser().parse_args(path + ["--help"])
         assert e.value.code == 0, path
         assert "usage: memra" in capsys.readouterr().out
+
+
+def _corrupt_step_dirs(tmp_path):
+    """A valid tiny Step HF dir and three corrupt copies of it."""
+    import json
+    import shutil
+    import struct
+
+    from memra.io.synthetic import write_synthetic
+
+    good = write_synthetic("tiny", "hf-bf16", 0, tmp_path / "good")
+    out = {}
+    d = tmp_path / "huge-header"
+    shutil.copytree(good, d)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**62) + b"{}" + b"\0" * 64)
+    out["header length past the file"] = d
+    d = tmp_path / "overlap"
+    shutil.copytree(good, d)
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+    h = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 24)
+    out["overlapping tensors"] = d
+    d = tmp_path / "no-hidden"
+    shutil.copytree(good, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    out["a missing config key"] = d
+    return good, out
+
+
+def test_inspect_validates_hf_dirs_like_loading(tmp_path, capsys):
+    from memra.cli import main
+
+    good, bad = _corrupt_step_dirs(tmp_path)
+    assert main(["inspect", str(good)]) == 0
+    assert "parameters in the safetensors files" in capsys.readouterr().out
+    for what, d in bad.items():
+        assert main(["inspect", str(d)]) == 2, what
+        err = capsys.readouterr().err
+        assert "error:" in err and str(d) in err, (what, err)
+        if what == "a missing config key":
+            assert "hidden_size" in err
+
+
+def test_generate_prints_the_finish_reason_and_reads_stdin(tmp_path, capsys, monkeypatch):
+    import io
+
+    from memra.cli import main
+    from memra.io.synthetic import write_synthetic
+
+    path = write_synthetic("tiny", "gguf-q8_0", 0, tmp_path / "tiny.gguf")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there"))
+    assert main(["generate", "--model", str(path), "--prompt", "-", "--max-tokens", "3", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "[finished: length, max_tokens=3 reached after 3 tokens]" in err
+    # a stop string that the greedy text contains ends it, and is named
+    assert main(["generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "8", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert len(text) >= 2
+    assert main(["generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "8", "--temperature", "0",
+                 "--ignore-eos", "--stop", text[1]]) == 0
+    assert f"[finished: stop, stop string {text[1]!r}" in capsys.readouterr().err

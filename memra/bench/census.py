@@ -476,7 +476,7 @@ def add_census_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rotate-bytes", type=float, default=240e6,
                    help="weight copies per measurement cover at least this many bytes (> L2)")
     p.add_argument("--baseline", action="store_true", help="also time torch.mm (cuBLAS) for bf16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and activations")
     p.add_argument("--moe-t", default="1,2,4,8",
                    help="MoE selected-expert curve (memra/bench/moe_census.py): token counts, or '' to skip")
     p.add_argument("--moe-formats", default="nvfp4", help="routed-expert formats of the MoE curve")

@@ -317,7 +317,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-format", default="nvfp4", choices=["nvfp4", "bf16"], help="routed experts' format")
     p.add_argument("--batches", default="1,4,16,64", help="decode batch sizes")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, tokens and KV contents")
     p.add_argument("--reps", type=int, default=30, help="timed replays per measurement (median)")
     p.add_argument("--json-out", default=None, help="write the result JSON here")
 

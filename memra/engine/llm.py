@@ -116,7 +116,9 @@ class LLM:
         return [results[rid] for rid in rids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the completion text of one prompt piece by piece (``params.n`` must be 1)."""
+        """Yield the completion text of one prompt piece by piece (``params.n`` must be 1). Afterwards
+        ``last_metrics`` holds the timings, ``completion_tokens``, ``finish_reason`` ("stop",
+        "length") and ``stop_reason`` (the stop string or token id, if one ended it)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() produces one completion: use n=1")
@@ -125,10 +127,13 @@ class LLM:
         self.engine.add_request(rid, ids, params)
         t0 = time.perf_counter()
         t_first, n = None, 0
+        finish: tuple = (None, None)
         try:
             for ev in self._events():
                 for d in ev.deltas:
                     n += len(d.token_ids)
+                    if d.finish_reason is not None:
+                        finish = (d.finish_reason, d.stop_reason)
                     if t_first is None:
                         t_first = time.perf_counter()
                     if d.text:
@@ -137,7 +142,8 @@ class LLM:
             self.engine.abort_request(rid)
             t_end = time.perf_counter()
             self.last_metrics = {"prompt_tokens": len(ids), "ttft_s": (t_first or t_end) - t0,
-                                 "decode_tokens": max(0, n - 1), "decode_s": t_end - (t_first or t_end)}
+                                 "decode_tokens": max(0, n - 1), "decode_s": t_end - (t_first or t_end),
+                                 "completion_tokens": n, "finish_reason": finish[0], "stop_reason": finish[1]}
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Complete a conversation rendered through the model's chat template."""
