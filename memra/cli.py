@@ -73,7 +73,7 @@ def _params(a: argparse.Namespace, **over):
 def _load(a: argparse.Namespace):
     from .engine.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, progress=sys.stderr.isatty(), device=a.device,
+    return LLM(a.model, dtype=a.dtype, progress=True, device=a.device,
                gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
 
 

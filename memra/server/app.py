@@ -1118,7 +1118,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
     sock = _bind(host, port)
     if not chat_template_timeout_s > 0:
         raise ValueError(f"--chat-template-timeout {chat_template_timeout_s} must be > 0 seconds")
-    engine = AsyncLLMEngine(LLMEngine(engine_config), max_queue=max_queue)
+    engine = AsyncLLMEngine(LLMEngine(engine_config, progress=True), max_queue=max_queue)
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                      chat_template_timeout_s=chat_template_timeout_s)
     check_chat_template(app.state.server)
