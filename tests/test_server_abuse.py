@@ -234,3 +234,28 @@ def test_runaway_render_does_not_grow_this_process():
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     print(f"\npeak RSS of the test process grew {grown:.0f} MiB over {len(RUNAWAY)} runaway renders")
     assert grown < 50
+
+
+def test_gauges_drop_soon_after_a_non_streaming_client_leaves(server, engine):
+    """A non-streaming request whose client disconnects is aborted and leaves the running /
+    KV gauges within a second (the server polls for the disconnect every 0.2 s)."""
+    import socket
+
+    wait_idle(engine)
+    body = json.dumps({"model": "smol", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    s = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 20
+    while engine.stats().num_running == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    s.close()
+    t0 = time.monotonic()
+    while engine.stats().num_running or engine.stats().kv_blocks_used:
+        assert time.monotonic() - t0 < 5, engine.stats()
+        time.sleep(0.02)
+    dt = time.monotonic() - t0
+    print(f"\ngauges back to 0 running / 0 KV blocks {dt:.2f} s after the client left")
+    assert dt < 1.0
