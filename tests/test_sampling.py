@@ -135,3 +135,32 @@ def test_multibyte_characters_are_not_split():
     out, chunks = _run("héllo 世界 🙂!", SamplingParams(max_tokens=100, stop=["!"]))
     assert out.text == "héllo 世界 🙂"
     assert all("\ufffd" not in c for c in chunks)
+
+
+def test_stop_strings_before_min_tokens_do_not_count():
+    """vLLM's min_tokens: only a stop string completed at or after the min_tokens-th token ends it."""
+    p = dict(max_tokens=8, stop=["\n\n"])
+    out, _ = _run("Hi\n\nSure", SamplingParams(**p, min_tokens=4))  # "\n\n" completes at token 4
+    assert (out.text, out.finish_reason) == ("Hi", "stop")
+    out, chunks = _run("Hi\n\nSure", SamplingParams(**p, min_tokens=5))
+    assert (out.text, out.finish_reason) == ("Hi\n\nSure", "length") and "".join(chunks) == out.text
+    out, _ = _run("Hi\n\nSo\n\nX", SamplingParams(max_tokens=20, stop=["\n\n"], min_tokens=5))
+    assert (out.text, out.finish_reason) == ("Hi\n\nSo", "stop")  # the later one counts
+
+
+def test_logit_bias_and_min_tokens_in_the_sampler():
+    torch.manual_seed(0)
+    logits = torch.randn(50)
+    top = int(logits.argmax())
+    s = Sampler(SamplingParams(temperature=0, logit_bias={top: -100}), [], 50)
+    assert s.sample(logits).token != top
+    s = Sampler(SamplingParams(temperature=0, logit_bias={7: 100}), [], 50)
+    assert s.sample(logits).token == 7
+    s = Sampler(SamplingParams(temperature=0, max_tokens=5, min_tokens=2), [], 50, end_ids=[top])
+    assert [s.sample(logits).token == top for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="logit_bias: token id 60"):
+        Sampler(SamplingParams(logit_bias={60: 1.0}), [], 50)

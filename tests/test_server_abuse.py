@@ -259,3 +259,20 @@ def test_gauges_drop_soon_after_a_non_streaming_client_leaves(server, engine):
     dt = time.monotonic() - t0
     print(f"\ngauges back to 0 running / 0 KV blocks {dt:.2f} s after the client left")
     assert dt < 1.0
+
+
+def test_chunked_body_over_the_limit_is_413(http):
+    """No Content-Length (chunked transfer): the body is counted as it arrives."""
+    def chunks():
+        yield b'{"model": "smol", "prompt": "'
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+        yield b'", "max_tokens": 1}'
+
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "larger than this server's limit" in r.json()["error"]["message"] and time.monotonic() - t0 < 2
+    small = http.post("/v1/completions", content=iter([b'{"model": "smol", "prompt": "Hi", ', b'"max_tokens": 1}']),
+                      headers={"Content-Type": "application/json"})
+    assert small.status_code == 200, small.text

@@ -185,18 +185,18 @@ def _llama_bench(model: str, threads: int, p: int, d: int, reps: int) -> dict:
     from memra.bench.llamacpp import binary
     from memra.hub import resolve_model
 
-    row: dict = {"engine": "llama-bench", "prefill": [], "decode": []}
+    row: dict = {"engine": "llama-bench", "prefill": [], "decode": [], "commands": []}
     try:
         exe = binary("llama-bench")
-        cmd = [str(exe), "-m", str(resolve_model(model)), "-t", str(threads), "-p", str(p), "-n", str(d),
-               "-r", str(reps), "-o", "json"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if r.returncode != 0:
-            raise RuntimeError(f"exit {r.returncode}: {r.stderr[-500:]}")
-        for t in json.loads(r.stdout):
-            key = "prefill" if t["n_prompt"] > 0 else "decode"
-            row[key] = [float(x) for x in t["samples_ts"]]
-        row["command"] = cmd
+        base = [str(exe), "-m", str(resolve_model(model)), "-t", str(threads), "-r", str(reps), "-o", "json"]
+        # prefill from an empty context; decode after the p-token prompt (-d: context depth), as memra does
+        for key, extra in (("prefill", ["-p", str(p), "-n", "0"]), ("decode", ["-p", "0", "-n", str(d), "-d", str(p)])):
+            cmd = base + extra
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if r.returncode != 0:
+                raise RuntimeError(f"exit {r.returncode}: {r.stderr[-500:]}")
+            row[key] = [float(x) for t in json.loads(r.stdout) for x in t["samples_ts"]]
+            row["commands"].append(cmd)
     except Exception as e:  # reported in the table
         row["error"] = f"{type(e).__name__}: {e}"
     return row

@@ -149,10 +149,15 @@ def ensure_source() -> Path:
     return src
 
 
+def _stamp(target: str) -> Path:
+    return _build() / f".built-{target}"
+
+
 def _built(target: str) -> Path | None:
-    b = _build() / "bin"
-    p = b / ("libllama.so" if target == "llama" else target)
-    return p if p.is_file() else None
+    """The target's file if a build of it finished (a stamp written after a successful build:
+    a file that merely exists may be half-linked by a concurrent or killed build)."""
+    p = _build() / "bin" / ("libllama.so" if target == "llama" else target)
+    return p if p.is_file() and _stamp(target).is_file() else None
 
 
 def ensure_built(targets: tuple[str, ...] = ("llama",)) -> Path:
@@ -178,6 +183,8 @@ def ensure_built(targets: tuple[str, ...] = ("llama",)) -> Path:
             jobs = str(max(1, os.cpu_count() or 1))
             _run(["cmake", "--build", str(b), "-j", jobs, "--target", *missing],
                  f"building llama.cpp target(s) {', '.join(missing)}", b / f"build-{'-'.join(missing)}.log")
+            for t in missing:
+                _stamp(t).write_text("ok\n")
     still = [t for t in targets if _built(t) is None]
     if still:
         raise LlamaCppUnavailable(f"the build finished but {still} are not in {_build() / 'bin'}")

@@ -282,14 +282,14 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     """The ``memra bench serve-compare`` options."""
     from ..hub import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model key or GGUF path (llama or qwen2 for llama.cpp)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model key or GGUF path (any architecture both engines know)")
     p.add_argument("--concurrency", default="1,8,32", help="max-concurrency levels, e.g. 1,8,32")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request (ignore_eos is sent)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="arrivals per second (Poisson); inf: all at once")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp --n_threads and --n_threads_batch")
+    p.add_argument("--threads", type=int, default=2, help="llama-server --threads and --threads-batch")
     p.add_argument("--max-num-seqs", type=int, default=None, help="memra serve --max-num-seqs (default: the top level)")
     p.add_argument("--memra-args", default="", help="extra arguments for memra serve, e.g. '--dtype bfloat16'")
     p.add_argument("--engines", default="memra,llamacpp", help="which to run, in order")

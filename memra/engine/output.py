@@ -44,6 +44,7 @@ class OutputProcessor:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.buffer = ""
+        self.guard = 0  # stop strings must end past buffer[:guard] (text from before min_tokens)
 
     @property
     def finished(self) -> bool:
@@ -59,9 +60,13 @@ class OutputProcessor:
         if r.token in self.stop_ids:
             return self._finish("stop", r.token)
         self.buffer += self.detok.add(r.token)
-        if self.params.stop and len(out.token_ids) >= self.params.min_tokens:  # vLLM: none before min_tokens
-            # the earliest match; at equal positions the stop string listed first
-            hit = min(((i, k) for k, s in enumerate(self.params.stop) if (i := self.buffer.find(s)) >= 0),
+        if self.params.stop and len(out.token_ids) < self.params.min_tokens:
+            # vLLM: only a stop string completed after min_tokens counts; buffer[:guard] is older
+            self.guard = len(self.buffer)
+        elif self.params.stop:
+            # the earliest match ending past the guard; at equal positions the stop string listed first
+            hit = min(((i, k) for k, s in enumerate(self.params.stop)
+                       if (i := self.buffer.find(s, max(0, self.guard - len(s) + 1))) >= 0),
                       default=None)
             if hit is not None:
                 released = self.buffer[: hit[0]]
@@ -75,6 +80,7 @@ class OutputProcessor:
         if cut <= 0:
             return ""
         released, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        self.guard = max(0, self.guard - cut)
         out.text += released
         return released
 

@@ -135,10 +135,11 @@ class Sampler:
 
         Raises: ValueError if a ``logit_bias`` or ``end_ids`` id is outside the vocabulary."""
         self.params = params
-        bad = [t for t in list(params.logit_bias) + list(end_ids or []) if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"invalid sampling parameter logit_bias: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+        for what, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids / eos ids", end_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"invalid sampling parameter {what}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
         self.bias = None
         if params.logit_bias:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32)

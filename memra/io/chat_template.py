@@ -354,13 +354,28 @@ class RenderLimits:
 class _Worker:
     """One render process (``memra.io._template_worker``); replaced after a timeout."""
 
+    #: seconds a new worker may take to start (not counted against a render's timeout)
+    START_TIMEOUT_S = 30.0
+
     def __init__(self, memory_bytes: int):
         import subprocess
         import sys
 
         self.memory_bytes = memory_bytes
-        self.proc = subprocess.Popen([sys.executable, "-m", "memra.io._template_worker", str(memory_bytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        # -P: no current directory on sys.path; PYTHONPATH: exactly this process's import path,
+        # so the worker runs the same memra and jinja2 as its parent
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "memra.io._template_worker", str(memory_bytes)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env)
+        try:
+            status, _ = self._read(self.START_TIMEOUT_S)
+        except (TimeoutError, EOFError, OSError):
+            self.kill()
+            raise ChatTemplateError("the chat template worker process did not start") from None
+        if status != "ready":
+            self.kill()
+            raise ChatTemplateError(f"the chat template worker process sent {status!r} instead of 'ready'")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -371,32 +386,40 @@ class _Worker:
         self.proc.wait()
 
     def call(self, request: tuple, timeout_s: float) -> tuple:
+        """Send one request; the reply within ``timeout_s`` (TimeoutError, EOFError otherwise)."""
+        import pickle
+        import struct
+
+        data = pickle.dumps(request)
+        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def _read(self, timeout_s: float) -> tuple:
         import pickle
         import select
         import struct
         import time
 
-        data = pickle.dumps(request)
-        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
-        self.proc.stdin.flush()
-        out = self.proc.stdout
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()  # poll, not select: file descriptors above 1024 are fine
+        poller.register(fd, select.POLLIN)
         deadline = time.monotonic() + timeout_s
-        buf = b""
-        need = 4
-        length = None
-        fd = out.fileno()
-        while len(buf) < need:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, need - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-            if length is None and len(buf) == 4:
-                (length,) = struct.unpack("<I", buf)
-                buf, need = b"", length
-        return pickle.loads(buf)
+
+        def exactly(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                left = deadline - time.monotonic()
+                if left <= 0 or not poller.poll(left * 1000):
+                    raise TimeoutError
+                chunk = os.read(fd, min(n - len(buf), 1 << 20))
+                if not chunk:
+                    raise EOFError
+                buf += chunk
+            return bytes(buf)
+
+        (length,) = struct.unpack("<I", exactly(4))
+        return pickle.loads(exactly(length))
 
 
 class _WorkerPool:
@@ -471,7 +494,7 @@ def render_chat_template_bounded(
     ok = False
     try:
         status, value = w.call((template, messages, kwargs, limits.max_output_chars), limits.timeout_s)
-        ok = True
+        ok = status != "fatal"  # a worker that hit its memory cap exits: replace it
     except TimeoutError:
         raise ChatTemplateLimitError(f"chat template rendering exceeded the time limit of {limits.timeout_s:g} s "
                                      "and was stopped") from None
@@ -482,4 +505,6 @@ def render_chat_template_bounded(
         _POOL.give(w, ok)
     if status == "ok":
         return value
-    raise value
+    if status in ("err", "fatal") and isinstance(value, BaseException):
+        raise value
+    raise ChatTemplateError(f"the chat template worker process sent an unexpected reply {status!r}")

@@ -225,8 +225,8 @@ def _is_routed(name: str) -> bool:
 
 
 def rope_freq_factors(g: dict) -> torch.Tensor:
-    """llama.cpp ``rope_freqs``: fp32 [head_dim / 2] (the widest layer's rotary width / 2, the
-    sliding layers' head_dim) divisors of the full layers' inverse frequencies: llama3 scaling
+    """llama.cpp ``rope_freqs``: fp32 [widest rotary width / 2] (over every layer, MTP included:
+    head_dim when any layer slides) divisors of the full layers' inverse frequencies: llama3 scaling
     computed over the rot = head_dim * partial_full rotary dims, padded with 1.0 past rot / 2,
     as llama.cpp's converter writes it (``conversion/step3.py``)."""
     from ..config import RopeScaling
@@ -237,7 +237,8 @@ def rope_freq_factors(g: dict) -> torch.Tensor:
                      l3["original_max_position_embeddings"])
     rot = int(g["head_dim"] * g["partial_full"])
     f = inv_frequencies(g["theta_full"], rot) / inv_frequencies(g["theta_full"], rot, sc)
-    return torch.cat([f, torch.ones(max(rot, g["head_dim"]) // 2 - rot // 2, dtype=f.dtype)])
+    widest = max(rot if t == "full_attention" else g["head_dim"] for t in _types(g))
+    return torch.cat([f, torch.ones(widest // 2 - rot // 2, dtype=f.dtype)])
 
 
 # ----------------------------------------------------------------------------- tokenizer

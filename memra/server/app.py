@@ -328,46 +328,37 @@ class _BodyGuardMiddleware:
                                       f"the request body must be JSON sent with 'Content-Type: application/json' "
                                       f"(got {got})")
         length = headers.get("content-length")
+        limit_msg = f"than this server's limit of {self.max_bytes} bytes (--max-request-body)"
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, receive, send, 413, f"the request body of {int(length)} bytes is larger "
-                                      f"than this server's limit of {self.max_bytes} bytes (--max-request-body)")
-        seen = 0
-        too_big = False
-
-        async def guarded_receive():
-            nonlocal seen, too_big
+            return await self._refuse(scope, receive, send, 413,
+                                      f"the request body of {int(length)} bytes is larger {limit_msg}")
+        # read the whole body here (it is at most max_bytes), so a chunked body over the limit
+        # is refused too, then hand it to the app in one message
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    too_big = True
-                    raise _BodyTooLarge
-            return message
+            if message["type"] == "http.disconnect":
+                return
+            if message["type"] != "http.request":
+                continue
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                return await self._refuse(scope, receive, send, 413, f"the request body is larger {limit_msg}")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
 
-        started = False
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notifications
 
-        async def send_tracked(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, guarded_receive, send_tracked)
-        except _BodyTooLarge:
-            if not started:
-                await self._refuse(scope, receive, send, 413, f"the request body is larger than this server's limit "
-                                   f"of {self.max_bytes} bytes (--max-request-body)")
-        except Exception:
-            if too_big and not started:
-                await self._refuse(scope, receive, send, 413, f"the request body is larger than this server's limit "
-                                   f"of {self.max_bytes} bytes (--max-request-body)")
-            else:
-                raise
-
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 # --------------------------------------------------------------------------- engine runs
@@ -551,9 +542,6 @@ class _Server:
 
         self.engine = engine
         llm = engine.engine
-        # a rendered prompt longer than this many characters could never fit the context
-        self.template_limits = RenderLimits(timeout_s=template_timeout_s,
-                                            max_output_chars=max(1 << 16, 64 * llm.max_model_len))
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.config.vocab_size
         self.max_model_len = llm.max_model_len
@@ -566,6 +554,11 @@ class _Server:
         tok = self.tokenizer
         self.max_token_chars = (max(len(tok.id_to_token(i)) for i in range(tok.vocab_size))
                                 if getattr(tok, "has_vocab", True) and hasattr(tok, "id_to_token") else 0)
+        # a rendered prompt longer than this could never fit the context (check_text_length); the
+        # render is stopped there
+        self.template_limits = RenderLimits(
+            timeout_s=template_timeout_s,
+            max_output_chars=max(1 << 16, max(64, self.max_token_chars) * self.max_model_len + 1))
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------ helpers
@@ -775,7 +768,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         disconnect_poll_s: how often a non-streaming request checks for a gone client (s).
         max_body_bytes: larger POST bodies get 413 before parsing; non-JSON ones get 415.
         chat_template_timeout_s: wall-time bound of one chat-template render (its output is
-            bounded at 64 characters per token of context, its memory at 1 GiB).
+            bounded at the longest token's characters (at least 64) per token of context, its
+            memory at 1 GiB).
 
     Raises:
         ValueError: ``api_key`` is empty or not printable ASCII; ``max_body_bytes`` < 1.

@@ -109,7 +109,7 @@ class _SamplingFields(_Request):
     def _logit_bias(self) -> dict[int, float]:
         out = {}
         for k, v in (self.logit_bias or {}).items():
-            if not k.isdigit():
+            if not (k.isascii() and k.isdigit()):
                 raise ProtocolError(f"logit_bias keys must be token ids (decimal strings), got {k!r}", "logit_bias")
             if not -100 <= v <= 100:
                 raise ProtocolError(f"logit_bias[{k!r}] = {v} must be in [-100, 100]", "logit_bias")
