@@ -26,6 +26,7 @@ library alone for the tests; llama-server adds its multimodal library and web UI
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
@@ -305,6 +306,11 @@ def logits(path: str | os.PathLike, token_ids: list[int], n_batch: int = 512, n_
 @functools.lru_cache(maxsize=8)
 def _vocab(path: str) -> Any:
     return load_llama(path, vocab_only=True)
+
+
+# free the cached vocabularies while the binding's modules still exist (else their __del__ runs
+# during interpreter teardown and prints "Exception ignored")
+atexit.register(_vocab.cache_clear)
 
 
 def tokenize(path: str | os.PathLike, text: str, add_bos: bool, special: bool = True) -> list[int]:
