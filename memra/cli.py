@@ -92,7 +92,8 @@ def _finish_line(reason: str | None, stop, n_tokens: int, max_tokens: int, token
 
 def cmd_generate(a: argparse.Namespace) -> int:
     params = _params(a)
-    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    # from stdin: one trailing newline (echo's, a file's last line end) is not part of the prompt
+    prompt = sys.stdin.read().removesuffix("\n") if a.prompt == "-" else a.prompt
     llm = _load(a)
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -304,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="complete a prompt", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(g)
-    g.add_argument("--prompt", required=True, help="the prompt text; '-' reads it from standard input")
+    g.add_argument("--prompt", required=True, help="the prompt text; '-' reads it from standard input (one trailing newline dropped)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     _add_sampling(g)
