@@ -306,16 +306,16 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class _BodyGuardMiddleware:
-    """ASGI middleware in front of every POST: a body larger than ``max_bytes`` gets 413
-    (from ``Content-Length`` at once, or as soon as a streamed body passes the bound) and a
-    body that is not ``application/json`` gets 415, both in OpenAI's error shape and before
-    anything is parsed or tokenized."""
+    """ASGI middleware in front of every POST: a body that is not ``application/json`` gets 415,
+    a body larger than ``max_bytes`` gets 413 (from ``Content-Length`` at once, or as soon as a
+    chunked body passes the bound while it is read here), both in OpenAI's error shape and
+    before anything is parsed or tokenized; the app then receives the whole body at once."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _refuse(self, scope, receive, send, status: int, message: str, param: str | None = None):
-        await APIError(status, message, param=param).response()(scope, receive, send)
+    async def _refuse(self, scope, receive, send, status: int, message: str):
+        await APIError(status, message).response()(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
