@@ -111,7 +111,7 @@ def test_padding_agrees_with_moe_align():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16", "q8_0"])
 def test_expert_nbytes_matches_the_banks(fmt):
-    from memra.bench.moe_census import random_bank
+    from memra.bench.common import random_bank
 
     g = torch.Generator().manual_seed(0)
     for n, k in ((256, 128), (128, 256), (192, 320)):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memra.bench import prefill as pf
-from memra.bench.moe_grouped import expert_nbytes
+from memra.bench.common import expert_nbytes
 from memra.io.synthetic import load_geometry, model_config
 
 BF16, FP8, FP32, BW = 800e12, 1600e12, 50e12, 4e12

@@ -337,7 +337,7 @@ def test_fused_swiglu_matches_reference(limit):
     gu = (torch.randn(5, 2 * 1280 if dev == "cuda" else 2 * 96, generator=g) * 2).to(dev)
     ref = swiglu_ref(gu, limit)
     assert torch.allclose(swiglu(gu, limit), ref, atol=1e-6, rtol=1e-5)
-    from memra.models.step3p5 import swiglu as model_swiglu
+    from memra.layers.activations import swiglu as model_swiglu
 
     a, b = gu.chunk(2, dim=-1)
     assert torch.allclose(ref, model_swiglu(a, b, limit), atol=1e-6, rtol=1e-5)  # the twin is the model's math
@@ -389,7 +389,7 @@ def test_load_with_device_moves_layer_by_layer(tmp_path, arch):
     a, _ = load_model(path, torch.float32, device="cpu")
     b, _ = load_model(path, torch.float32)
     b.to_gpu("cpu", torch.float32)
-    assert a.lm_head.kernel == "gpu" and a.layers[0].gpu and not hasattr(a.lm_head, "stored")
+    assert a.lm_head.kernel == "gpu" and a.layers[0].attn.kernels and not hasattr(a.lm_head, "stored")
     for pa, pb in zip(a.modules(), b.modules()):
         if getattr(pa, "kernel", None) == "gpu":
             assert torch.equal(pa.packed_weight.data, pb.packed_weight.data)
@@ -424,9 +424,9 @@ def test_engine_loads_a_step35_gguf_to_the_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
 def test_long_prefill_takes_the_grouped_moe_gemm_under_interpreter(monkeypatch):
     """A prefill chunk wider than MOE_DECODE_MAX_T goes through moe_prefill; logits match the CPU."""
-    import memra.models.step3p5 as s35
+    import memra.layers.moe as moe_layer
 
-    monkeypatch.setattr(s35, "MOE_DECODE_MAX_T", 4)  # the 5-token second prefill chunk takes the grouped GEMM
+    monkeypatch.setattr(moe_layer, "MOE_DECODE_MAX_T", 4)  # the 5-token second prefill chunk takes the grouped GEMM
     calls = []
     import memra.kernels.moe_prefill as mp
 

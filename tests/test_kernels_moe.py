@@ -230,7 +230,7 @@ def test_default_config_and_uneven_k():
 
 
 def test_moe_route_matches_model():
-    from memra.models.step3p5 import MoE
+    from memra.layers.moe import MoE
 
     g = torch.Generator().manual_seed(9)
     router = torch.randn(E, D, generator=g) * 0.1
@@ -245,7 +245,7 @@ def test_moe_route_matches_model():
 
 
 def test_ref_matches_routed_experts():
-    from memra.models.step3p5 import RoutedExperts
+    from memra.layers.moe import RoutedExperts
 
     i = 64
     gu, down, srcs = _banks("nvfp4", i, seed=10)
@@ -277,7 +277,7 @@ def flagship_banks():
 
     def get(fmt):
         if fmt not in cache:
-            from memra.bench.moe_census import random_moe
+            from memra.bench.common import random_moe
 
             cache.clear()  # one format resident at a time
             torch.cuda.empty_cache()
@@ -290,7 +290,7 @@ def flagship_banks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_flagship_shape(fmt, flagship_banks):
-    from memra.bench.moe_census import random_routing
+    from memra.bench.common import random_routing
 
     gu, down, gen = flagship_banks(fmt)
     for t in FLAG_T:

@@ -314,7 +314,7 @@ def test_tuned_table_lookup_and_tuner_candidates(tmp_path, monkeypatch):
     import json
 
     import memra.kernels.moe_prefill as mp
-    from memra.bench.moe_grouped import FLAGSHIP
+    from memra.bench.common import FLAGSHIP
     from memra.bench.moe_tune import candidates
 
     table = {"configs": {mp.table_key("nvfp4", 8, 288, 1280, 4096): [
@@ -383,7 +383,7 @@ def flagship_banks():
 
     def get(fmt):
         if fmt not in cache:
-            from memra.bench.moe_census import random_moe
+            from memra.bench.common import random_moe
 
             cache.clear()  # one format resident at a time
             torch.cuda.empty_cache()
@@ -394,7 +394,7 @@ def flagship_banks():
 
 
 def _flag_routing(t: int, kind: str, gen: torch.Generator):
-    from memra.bench.moe_census import random_routing
+    from memra.bench.common import random_routing
 
     index, weight = random_routing(t, FLAG["e"], FLAG["k"], "cuda", gen)
     if kind == "skewed":  # half the tokens on expert 0, all tokens within experts 0..63 (224 empty)

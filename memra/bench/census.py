@@ -40,14 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from .common import commit, copy_bandwidth, cuda_graph_us, write_json
 
 __all__ = ["main", "run_from_args", "add_census_args", "run_census", "SHAPES", "shapes_for"]
 
@@ -154,100 +153,6 @@ def _calls(ws, x, y, yb, cfg):
     return [lambda w=w: gemv.decode_linear(x, w, config=cfg, out=y) for w in ws]
 
 
-def _time_graph(calls, reps: int, inner: int) -> float:
-    """Median µs per call over ``reps`` replays of a CUDA graph of ``inner`` calls
-    (cycling through ``calls``)."""
-    import torch
-
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(inner):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) * 1000.0 / inner)
-    del g
-    return statistics.median(out)
-
-
-def eager_us(fn, n: int = 3) -> float:
-    """Mean µs per call of ``n`` back-to-back eager calls of ``fn`` (GPU work) after one warm-up
-    call, CUDA events. For calls of a millisecond or more, where launch overhead is negligible."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(n):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) * 1000.0 / n
-
-
-def write_json(path: str, res: dict, label: str = "JSON written to") -> None:
-    """Write a bench result as indented JSON at ``path`` (parent folders created) and say so."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"{label} {path}")
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), torch ``copy_`` of
-    ``nbytes``, median of ``reps``."""
-    import torch
-
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1000.0)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(ts)
-
-
-def _commit() -> str:
-    """HEAD of the checkout (+dirty when the kernels differ from it); MEMRA_COMMIT overrides
-    (the GPU machine's copy of the repository may carry a stale .git)."""
-    if os.environ.get("MEMRA_COMMIT"):
-        return os.environ["MEMRA_COMMIT"]
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                           cwd=Path(__file__).resolve().parents[2])
-        dirty = subprocess.run(["git", "status", "--porcelain", "memra/kernels", "memra/bench/census.py"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=Path(__file__).resolve().parents[2]).stdout.strip()
-        return r.stdout.strip() + ("+dirty" if dirty else "") if r.returncode == 0 else "unknown"
-    except Exception:
-        return os.environ.get("MEMRA_COMMIT", "unknown")
-
-
 def _tolerance(fmt: str, cfg) -> float:
     # fp32 FMAs over exact weights: summation order only (nvfp4 f16: fp16 sub-block sums).
     # Dot path: bf16 operands, exact
@@ -321,7 +226,7 @@ def run_census(a: argparse.Namespace) -> dict:
                     if cfg.split_k > 1 and steps < 2 * cfg.split_k:
                         continue
                     try:
-                        us = _time_graph(_calls(ws, x, y, yb, cfg), a.tune_reps if a.tune else a.reps, inner)
+                        us = cuda_graph_us(_calls(ws, x, y, yb, cfg), a.tune_reps if a.tune else a.reps, inner)
                     except Exception as e:  # a config the compiler rejects is skipped, and said
                         print(f"  skip {fmt} {shp['name']} T={t} {cfg}: {type(e).__name__}: {str(e)[:200]}",
                               flush=True)
@@ -333,7 +238,7 @@ def run_census(a: argparse.Namespace) -> dict:
                     raise SystemExit(f"census: no configuration ran for {fmt} {shp} T={t}")
                 cfg = best[1]
                 if a.tune:  # re-time the winner with the full repetition count
-                    us = _time_graph(_calls(ws, x, y, yb, cfg), a.reps, inner)
+                    us = cuda_graph_us(_calls(ws, x, y, yb, cfg), a.reps, inner)
                 else:
                     us = best[0]
                 # correctness on fresh inputs with the chosen config
@@ -368,7 +273,7 @@ def run_census(a: argparse.Namespace) -> dict:
                 yb = torch.empty(t, n, device=dev, dtype=torch.bfloat16)
                 tot = 2 * n * k + t * k * 2 + t * n * 2
                 inner = max(len(wt), min(a.max_inner, math.ceil(a.graph_us * 1e-6 * copy_bw / tot)))
-                us = _time_graph([lambda w=w, x=x, yb=yb: torch.mm(x, w.t(), out=yb) for w in wt], a.reps, inner)
+                us = cuda_graph_us([lambda w=w, x=x, yb=yb: torch.mm(x, w.t(), out=yb) for w in wt], a.reps, inner)
                 baseline_rows.append(dict(shape=shp["name"], tp=shp["tp"], n=n, k=k, fmt="bf16", t=t, us=us,
                                           tbs=tot / (us * 1e-6) / 1e12, pct_copy=100.0 * tot / (us * 1e-6) / copy_bw,
                                           kernel="torch.mm (cuBLAS)"))
@@ -380,7 +285,7 @@ def run_census(a: argparse.Namespace) -> dict:
         machine=dict(gpu=props.name, sms=props.multi_processor_count, memory_bytes=props.total_memory,
                      host=platform.node(), python=platform.python_version()),
         versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda),
-        commit=_commit(),
+        commit=commit(),
         ceilings=dict(d2d_copy_bytes_per_s=copy_bw, d2d_copy_note="torch copy_ of 2 GiB, bytes read + written"),
         method=dict(timing="CUDA graph of `inner` back-to-back calls cycling through `copies` weight copies "
                            "(> L2), CUDA events, median of reps replays", reps=a.reps,

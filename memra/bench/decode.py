@@ -28,25 +28,9 @@ import statistics
 import sys
 import time
 
-__all__ = ["run_decode_bench", "add_decode_args", "run_from_args", "phase_fns"]
+from .common import commit, copy_bandwidth, median_ms, phase_fns, write_json
 
-
-def _time(fn, reps: int = 20, warm: int = 3) -> float:
-    """Median ms of ``fn()`` (which launches GPU work) over ``reps``, CUDA events."""
-    import torch
-
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
+__all__ = ["run_decode_bench", "add_decode_args", "run_from_args"]
 
 
 def _graph(fn):
@@ -64,8 +48,9 @@ def _graph(fn):
 
 def _weight_bytes(model) -> dict[str, int]:
     """Resident bytes of the model's weights by part (packed formats as stored)."""
+    from ..layers.activations import GatedMLP
     from ..layers.linear import Linear
-    from ..models.step3p5 import MoE, RoutedExperts, SwiGLU
+    from ..layers.moe import MoE, RoutedExperts
 
     out = {"attention": 0, "dense_mlp": 0, "shared_experts": 0, "routed_experts": 0, "router": 0,
            "lm_head": 0, "embed": 0, "norms": 0}
@@ -84,7 +69,7 @@ def _weight_bytes(model) -> dict[str, int]:
             out["router"] += mlp.router.numel() * 4 + (0 if mlp.bias is None else mlp.bias.numel() * 4)
             if mlp.shared is not None:
                 out["shared_experts"] += lin(mlp.shared.gate_up) + lin(mlp.shared.down)
-        elif isinstance(mlp, SwiGLU):
+        elif isinstance(mlp, GatedMLP):
             out["dense_mlp"] += lin(mlp.gate_up) + lin(mlp.down)
     out["lm_head"] = lin(model.lm_head)
     out["embed"] = model.embed.rows.numel() * model.embed.rows.element_size()
@@ -109,9 +94,8 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     from ..engine.cuda_graph import CudaGraphRunner
     from ..engine.kv_cache import PagedKVCache
     from ..io.synthetic import build_gpu_model, load_geometry
-    from ..models.step3p5 import MoE
+    from ..layers.moe import MoE
     from ..roofline import step35_bytes
-    from .census import _commit, copy_bandwidth
 
     if not torch.cuda.is_available():
         raise SystemExit("memra bench decode needs a CUDA GPU")
@@ -170,7 +154,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
             traceback.print_exc()
             results.append({"batch": b, "error": f"{type(e).__name__}: {e}"})
     res = {
-        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": _commit(),
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format,
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
@@ -195,7 +179,7 @@ def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_byte
     torch.cuda.synchronize()
     finite = bool(torch.isfinite(logits).all())
     graph = runner.graphs[b]
-    step_ms = _time(graph.replay, reps=a.reps)
+    step_ms = median_ms(graph.replay, reps=a.reps)
 
     # distinct experts per MoE layer on this step's routing, and the phase split
     kv = DecodeKV(cache, [t[:b] for t in runner.tables], runner.seq_lens[:b], [s[:b] for s in runner.slots])
@@ -217,57 +201,6 @@ def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_byte
     return row
 
 
-def phase_fns(model, ids, pos, kv) -> tuple[dict, object, list[int]]:
-    """One real unfused forward of ``ids`` at ``pos`` through ``kv`` (the inputs of every phase),
-    then per phase a closure that runs that phase's modules over all layers on those inputs:
-    {"attention", "router", "routed_experts", "shared_experts", "dense_mlp"}. Returns (closures,
-    the last hidden states [T, D], distinct experts routed per MoE layer). Shared by
-    ``memra bench decode`` and ``memra bench prefill``."""
-    import torch
-
-    from ..models.step3p5 import MoE
-
-    layers = model.layers
-    with torch.inference_mode():
-        x = model.embed(ids)
-        ins_attn, ins_mlp, routes = [], [], []
-        for layer, tab in zip(layers, model.rope_tables(pos, x.dtype)):
-            ins_attn.append((x, tab))
-            x = x + layer.attn(layer.attn_norm(x), *tab, kv)
-            h = layer.ffn_norm(x)
-            ins_mlp.append(h)
-            routes.append(layer.mlp.route(h) if isinstance(layer.mlp, MoE) else None)
-            x = x + layer.mlp(h)
-    distinct = [int(r[0].unique().numel()) for r in routes if r is not None]
-
-    def attention():
-        for layer, (xi, (cos, sin)) in zip(layers, ins_attn):
-            layer.attn(layer.attn_norm(xi), cos, sin, kv)
-
-    def router():
-        for layer, h in zip(layers, ins_mlp):
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.route(h)
-
-    def routed():
-        for layer, h, r in zip(layers, ins_mlp, routes):
-            if r is not None:
-                layer.mlp.experts(h, *r)
-
-    def shared():
-        for layer, h in zip(layers, ins_mlp):
-            if isinstance(layer.mlp, MoE) and layer.mlp.shared is not None:
-                layer.mlp.shared(h)
-
-    def dense():
-        for layer, h in zip(layers, ins_mlp):
-            if not isinstance(layer.mlp, MoE):
-                layer.mlp(h)
-
-    return (dict(attention=attention, router=router, routed_experts=routed, shared_experts=shared, dense_mlp=dense),
-            x, distinct)
-
-
 def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
     """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
     import torch
@@ -280,7 +213,7 @@ def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]
         out = {}
         for name, fn in list(fns.items()) + [("head", head)]:
             g = _graph(fn)
-            out[name] = _time(g.replay, reps=reps)
+            out[name] = median_ms(g.replay, reps=reps)
             del g
     return out, distinct
 
@@ -328,8 +261,6 @@ def run_from_args(a: argparse.Namespace) -> int:
     res = run_decode_bench(a)
     print_table(res)
     if a.json_out:
-        from .census import write_json
-
         write_json(a.json_out, res, "wrote")
     return 0
 

@@ -23,55 +23,8 @@ from dataclasses import replace
 
 import torch
 
-from ..kernels.moe_decode import ExpertBank, default_moe_config, moe_decode, moe_decode_ref, moe_route
-
-FLAGSHIP = dict(e=288, top_k=8, d=4096, i=1280)
-
-
-def random_bank(fmt: str, e: int, n: int, k: int, device, gen: torch.Generator, interleave: int = 0,
-                name: str = "") -> ExpertBank:
-    """A random (never all-zero) :class:`ExpertBank` [e, n, k] made directly on ``device``.
-
-    nvfp4: random code bytes, UE4M3 scale bytes 0x30..0x3F (0.25..~0.94, no NaN code);
-    fp8: E4M3 codes with exponents in a moderate range and random signs, fp32 block scales
-    ~0.01; q8_0: int8 -127..127, fp16 scales ~0.01; bf16: N(0, 0.02) (generated per expert to
-    bound the temporary)."""
-    kw = dict(device=device, generator=gen)
-    if fmt == "nvfp4":
-        data = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, **kw)
-        scale = torch.randint(0x30, 0x40, (e, n, k // 16), dtype=torch.uint8, **kw)
-    elif fmt == "fp8":
-        b = torch.randint(0x20, 0x50, (e, n, k), dtype=torch.uint8, **kw)
-        b |= torch.randint(0, 2, (e, n, k), dtype=torch.uint8, **kw) << 7
-        data = b.view(torch.float8_e4m3fn)
-        scale = torch.rand(e, -(-n // 128), -(-k // 128), dtype=torch.float32, **kw) * 0.01 + 0.005
-    elif fmt == "q8_0":
-        data = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, **kw)
-        scale = (torch.rand(e, n, k // 32, **kw) * 0.01 + 0.002).to(torch.float16)
-    elif fmt == "bf16":
-        data = torch.empty(e, n, k, dtype=torch.bfloat16, device=device)
-        for j in range(e):
-            data[j] = torch.randn(n, k, dtype=torch.bfloat16, **kw) * 0.02
-        scale = None
-    else:
-        raise ValueError(f"random_bank: unknown format {fmt!r}")
-    return ExpertBank(fmt, e, n, k, data, scale, name, interleave)
-
-
-def random_moe(fmt: str, device, seed: int = 0, e: int = 288, d: int = 4096, i: int = 1280):
-    """(gate_up [e, 2i, d] interleaved, down [e, d, i], generator) random banks at the given shape."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    unit = 128 if fmt == "fp8" else 16
-    gu = random_bank(fmt, e, 2 * i, d, device, gen, unit, "gate_up")
-    dn = random_bank(fmt, e, d, i, device, gen, 0, "down")
-    return gu, dn, gen
-
-
-def random_routing(t: int, e: int, top_k: int, device, gen: torch.Generator):
-    """index int64 [t, top_k] (distinct experts per row, uniform) and weight fp32 [t, top_k] (> 0)."""
-    index = torch.rand(t, e, device=device, generator=gen).argsort(dim=1)[:, :top_k].contiguous()
-    weight = torch.rand(t, top_k, device=device, generator=gen) + 0.05
-    return index, weight / weight.sum(dim=1, keepdim=True) * 2.5
+from ..kernels.moe_decode import default_moe_config, moe_decode, moe_decode_ref, moe_route
+from .common import FLAGSHIP, copy_bandwidth, cuda_graph_us, random_moe, random_routing
 
 
 def moe_sel_census(ts=(1, 2, 4, 8), fmt: str = "nvfp4", device: str = "cuda", reps: int = 30, inner: int = 16,
@@ -82,8 +35,6 @@ def moe_sel_census(ts=(1, 2, 4, 8), fmt: str = "nvfp4", device: str = "cuda", re
     and ``rows``: one dict per T with us, us_per_pair, distinct (mean distinct experts per
     call), bytes, tbs, pct_copy, ratio_t1, rel_err, correct.
     """
-    from .census import _time_graph, copy_bandwidth
-
     dev = torch.device(device)
     e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
     gu, dn, gen = random_moe(fmt, dev)
@@ -102,20 +53,20 @@ def moe_sel_census(ts=(1, 2, 4, 8), fmt: str = "nvfp4", device: str = "cuda", re
             distinct.append(int(torch.unique(idx).numel()))
             xs.append((x, idx, w, y))
             calls.append(lambda x=x, idx=idx, w=w, y=y: moe_decode(x, idx, w, gu, dn, limit, out=y))
-        us = _time_graph(calls, reps, inner)
+        us = cuda_graph_us(calls, reps, inner)
         cfg_tg = replace(default_moe_config(fmt, t, k, e, i, d), group="triton")
         try:  # reported, not fatal: the rest of the row stands on the default (torch) grouping
-            us_tg, tg_err = _time_graph([lambda a=a, c=cfg_tg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
-                                                                      config=c) for a in xs], reps, inner), None
+            us_tg, tg_err = cuda_graph_us([lambda a=a, c=cfg_tg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
+                                                                        config=c) for a in xs], reps, inner), None
         except Exception as ex:
             us_tg, tg_err = float("nan"), f"{type(ex).__name__}: {str(ex)[:300]}"
         same = []  # every token on the same 8 experts (e.g. speculative tokens): the marginal cost of a token
         for x, idx, w, y in xs:
             idx_s = idx[:1].expand(t, k).contiguous()
             same.append(lambda x=x, idx=idx_s, w=w, y=y: moe_decode(x, idx, w, gu, dn, limit, out=y))
-        us_same = _time_graph(same, reps, inner)
+        us_same = cuda_graph_us(same, reps, inner)
         h = xs[0][0]
-        route[t] = _time_graph([lambda h=h: moe_route(h, router, bias, k, 3.0)], reps, inner)
+        route[t] = cuda_graph_us([lambda h=h: moe_route(h, router, bias, k, 3.0)], reps, inner)
         nd = sum(distinct) / len(distinct)
         nbytes = nd * per_expert
         row = dict(t=t, us=us, us_triton_group=us_tg, triton_group_error=tg_err, us_same=us_same,
@@ -143,8 +94,6 @@ def moe_config_sweep(ts=(1, 2), fmt: str = "nvfp4", configs=None, device: str = 
     compile are reported with ``error``)."""
     from dataclasses import asdict
 
-    from .census import _time_graph
-
     dev = torch.device(device)
     e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
     gu, dn, gen = random_moe(fmt, dev, seed=3)
@@ -161,8 +110,9 @@ def moe_config_sweep(ts=(1, 2), fmt: str = "nvfp4", configs=None, device: str = 
             calls.append((x, idx, w, torch.empty_like(x)))
         for cfg in cands:
             try:
-                us = _time_graph([lambda a=a, cfg=cfg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3], config=cfg)
-                                  for a in calls], reps, inner)
+                us = cuda_graph_us([lambda a=a, cfg=cfg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
+                                                                    config=cfg)
+                                    for a in calls], reps, inner)
                 out.append(dict(t=t, fmt=fmt, config=asdict(cfg), us=us))
             except Exception as ex:  # a config the compiler rejects is reported, not fatal
                 out.append(dict(t=t, fmt=fmt, config=asdict(cfg), error=f"{type(ex).__name__}: {str(ex)[:200]}"))

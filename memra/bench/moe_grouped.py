@@ -9,7 +9,7 @@ For each token count T (default 512, 2048, 4096), expert format and routing it r
 - correctness first: :func:`moe_prefill` against :func:`moe_prefill_ref` on the same inputs
   (max-abs error / max-abs reference, pass at <= 1e-2; fp8 against the reference's exact
   emulation of the FP8 block recipe), and the split launch below against the whole call;
-- time in CUDA graphs (:func:`memra.bench.census._time_graph`, CUDA events, median of
+- time in CUDA graphs (:func:`memra.bench.common.cuda_graph_us`, CUDA events, median of
   ``--reps`` replays of ``inner`` back-to-back calls) of gate+up and of down SEPARATELY,
   plus ``moe_align`` and the whole :func:`moe_prefill` call. ``moe_prefill`` has no
   per-projection entry point, so :func:`prefill_parts` re-issues its launches (same kernels,
@@ -24,7 +24,7 @@ For each token count T (default 512, 2048, 4096), expert format and routing it r
   and the layer total (gate+up + down, and with align);
 - ceilings measured in the same run: bf16 ``torch.mm`` 8192^3; FP8 ``torch._scaled_mm``
   8192^3 (row-wise scales, or tensor-wise when row-wise is refused: the JSON says which);
-  device-to-device copy (:func:`memra.bench.census.copy_bandwidth`). The matmul ceiling used
+  device-to-device copy (:func:`memra.bench.common.copy_bandwidth`). The matmul ceiling used
   is the FP8 one for fp8 banks under the FP8 block recipe (E4M3 x E4M3 dots), else bf16
   (nvfp4 and q8_0 are dequantized to bf16 dot operands inside the kernels: Hopper has no FP4
   tensor cores);
@@ -78,6 +78,33 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
+# the shared bench helpers; the routing, formats and accounting names are also this bench's API (__all__)
+from .common import (
+    CHECK_TOL,
+    FLAGSHIP,
+    FORMATS,
+    SKEW_GAMMA,
+    SKEW_SPAN,
+    SKEW_TARGET,
+    commit,
+    copy_bandwidth,
+    cuda_graph_us,
+    eager_us,
+    expert_nbytes,
+    fit_skew,
+    matmul_ceilings,
+    padded_rows,
+    projection_costs,
+    random_bank,
+    random_moe,
+    routing_stats,
+    routing_weights,
+    skewed_routing,
+    uniform_routing,
+    write_json,
+)
+from .common import rel_err as _rel
+
 __all__ = [
     "FLAGSHIP", "SKEW_SPAN", "SKEW_GAMMA", "FORMATS", "ROUTINGS",
     "skewed_routing", "uniform_routing", "routing_weights", "routing_stats", "padded_rows", "fit_skew",
@@ -86,193 +113,12 @@ __all__ = [
     "add_moe_grouped_args", "run_from_args", "main",
 ]
 
-FLAGSHIP = dict(e=288, top_k=8, d=4096, i=1280)
-# fitted by fit_skew() (module docstring): mean over seeds 0..7 at T = 4096, E = 288, k = 8:
-# 284.0 active experts, hottest expert 934.0 rows (seed 0 alone: 284 and 918)
-SKEW_SPAN = 6.4025
-SKEW_GAMMA = 0.8054
-SKEW_TARGET = dict(t=4096, active=284, max_rows=934)  # the original's [moe-sk-form] receipt
-FORMATS = ("nvfp4", "fp8", "bf16", "q8_0")
 ROUTINGS = ("skewed", "uniform")
-CHECK_TOL = 1e-2  # max-abs relative error vs the reference (bf16 activations and output)
 SPLIT_TOL = 5e-3  # split launch vs moe_prefill (fp32 atomic order, one bf16 rounding)
 
 
 # ---------------------------------------------------------------------------------------
-# routing (CPU, deterministic)
-
-
-def _check_routing_args(fn: str, t: int, num_experts: int, top_k: int) -> None:
-    for name, v in (("t", t), ("num_experts", num_experts), ("top_k", top_k)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{fn}: {name} = {v!r} must be an integer >= 1")
-    if top_k > num_experts:
-        raise ValueError(f"{fn}: top_k = {top_k} > num_experts = {num_experts} (a token's experts are distinct)")
-
-
-def _draws(t: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank -> expert permutation int64 [E], Gumbel noise fp64 [t, E]) from a CPU generator
-    seeded with ``seed``: the only randomness of :func:`skewed_routing` / :func:`uniform_routing`."""
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    perm = torch.randperm(num_experts, generator=gen)
-    u = torch.rand(t, num_experts, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-    return perm, -torch.log(-torch.log(u))
-
-
-def _skew_logits(num_experts: int, span: float, gamma: float) -> torch.Tensor:
-    if num_experts == 1:
-        return torch.zeros(1, dtype=torch.float64)
-    r = torch.arange(num_experts, dtype=torch.float64) / (num_experts - 1)
-    return -span * r.pow(gamma)
-
-
-def skewed_routing(t: int, num_experts: int = 288, top_k: int = 8, seed: int = 0, span: float = SKEW_SPAN,
-                   gamma: float = SKEW_GAMMA) -> torch.Tensor:
-    """Deterministic production-shaped routing (module docstring): index int64 [t, top_k] on the
-    CPU, each row ``top_k`` distinct experts in 0..num_experts-1 drawn without replacement with
-    probabilities proportional to ``exp(-span * (rank / (E - 1)) ** gamma)`` (rank 0 the
-    hottest; ranks mapped to expert ids by a seeded permutation). A pure function of its
-    arguments. At the defaults and T = 4096: ~284 active experts, hottest ~934 rows.
-
-    Raises: ValueError for t, num_experts, top_k < 1, top_k > num_experts, span < 0 or gamma <= 0.
-    """
-    _check_routing_args("skewed_routing", t, num_experts, top_k)
-    if not (span >= 0 and math.isfinite(span)) or not (gamma > 0 and math.isfinite(gamma)):
-        raise ValueError(f"skewed_routing: span = {span} must be >= 0 and gamma = {gamma} > 0")
-    perm, gum = _draws(t, num_experts, seed)
-    ranks = (_skew_logits(num_experts, span, gamma) + gum).topk(top_k, dim=1).indices
-    return perm[ranks].contiguous()
-
-
-def uniform_routing(t: int, num_experts: int = 288, top_k: int = 8, seed: int = 0) -> torch.Tensor:
-    """index int64 [t, top_k] on the CPU: each row ``top_k`` distinct experts, uniformly at random
-    (the sampler of :func:`skewed_routing` with equal popularities). Raises: ValueError as it."""
-    return skewed_routing(t, num_experts, top_k, seed, span=0.0, gamma=1.0)
-
-
-def routing_weights(t: int, top_k: int = 8, seed: int = 0) -> torch.Tensor:
-    """fp32 [t, top_k] positive routing weights on the CPU (rows summing to 2.5, as
-    memra.bench.moe_census.random_routing), from a generator seeded with ``seed + 1``."""
-    gen = torch.Generator(device="cpu").manual_seed(int(seed) + 1)
-    w = torch.rand(t, top_k, generator=gen) + 0.05
-    return w / w.sum(dim=1, keepdim=True) * 2.5
-
-
-def padded_rows(counts, block_m: int) -> int:
-    """Rows the grouped GEMM processes: each expert's row count rounded up to a multiple of
-    ``block_m`` (empty experts cost nothing). ``counts``: per-expert row counts (any iterable
-    of ints or an integer tensor). Raises: ValueError for block_m < 1 or a negative count."""
-    if block_m < 1:
-        raise ValueError(f"padded_rows: block_m = {block_m} must be >= 1")
-    c = [int(v) for v in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
-    if any(v < 0 for v in c):
-        raise ValueError("padded_rows: negative row count")
-    return sum(-(-v // block_m) * block_m for v in c)
-
-
-def routing_stats(index: torch.Tensor, num_experts: int, block_m: int = 64) -> dict:
-    """Load statistics of a routing index [T, k]: tokens, pairs, active experts, zero_experts,
-    max_rows and mean_rows (per ACTIVE expert), padded_rows at ``block_m`` and
-    ``padding_ratio`` = padded_rows / pairs, ``pad128`` (the same at 128-row tiles, the
-    original's), ``top_rows`` (the 8 largest row counts) and ``distinct_rows`` (whether every
-    token's experts are distinct)."""
-    if index.dim() != 2:
-        raise ValueError(f"routing_stats: index must be [T, k], got {tuple(index.shape)}")
-    idx = index.detach().to("cpu", torch.int64)
-    counts = torch.bincount(idx.reshape(-1), minlength=num_experts)
-    if counts.numel() != num_experts:
-        raise ValueError(f"routing_stats: index has values >= num_experts = {num_experts}")
-    act = counts[counts > 0]
-    pairs = idx.numel()
-    pad = padded_rows(act, block_m)
-    srt = idx.sort(dim=1).values
-    distinct = bool((srt[:, 1:] != srt[:, :-1]).all()) if idx.shape[1] > 1 else True
-    return dict(tokens=idx.shape[0], pairs=pairs, active=int(act.numel()), zero_experts=num_experts - int(act.numel()),
-                max_rows=int(act.max()) if act.numel() else 0,
-                mean_rows=float(act.float().mean()) if act.numel() else 0.0,
-                block_m=block_m, padded_rows=pad, padding_ratio=pad / pairs if pairs else float("nan"),
-                pad128=padded_rows(act, 128) / pairs if pairs else float("nan"),
-                top_rows=sorted(act.tolist(), reverse=True)[:8], distinct_rows=distinct)
-
-
-def fit_skew(t: int = 4096, num_experts: int = 288, top_k: int = 8, target_active: float = 284,
-             target_max: float = 934, seeds=range(8), gamma_range=(0.5, 1.5), span_range=(2.0, 14.0),
-             iters: tuple[int, int] = (14, 18)) -> dict:
-    """Refits (SPAN, GAMMA) of :func:`skewed_routing` on the CPU, deterministically: with the
-    random draws of ``seeds`` fixed (common random numbers), bisection on GAMMA (outer,
-    ``iters[0]`` steps: a flatter head lowers the hottest expert) of the mean hottest-expert rows,
-    where for each GAMMA a bisection on SPAN (inner, ``iters[1]`` steps: a larger span leaves
-    more experts without rows) puts the mean active count at ``target_active``. ~1 minute at the
-    defaults (which gave SKEW_SPAN, SKEW_GAMMA). Returns dict(span, gamma, active, max_rows) with
-    the means achieved."""
-    draws = [_draws(t, num_experts, s)[1] for s in seeds]
-
-    def stats(span: float, gamma: float) -> tuple[float, float]:
-        lw = _skew_logits(num_experts, span, gamma)
-        a = m = 0.0
-        for g in draws:
-            c = torch.bincount((lw + g).topk(top_k, dim=1).indices.reshape(-1), minlength=num_experts)
-            a += int((c > 0).sum())
-            m += int(c.max())
-        return a / len(draws), m / len(draws)
-
-    def span_for(gamma: float) -> float:
-        lo, hi = span_range
-        for _ in range(iters[1]):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if stats(mid, gamma)[0] > target_active else (lo, mid)
-        return (lo + hi) / 2
-
-    glo, ghi = gamma_range
-    for _ in range(iters[0]):
-        g = (glo + ghi) / 2
-        glo, ghi = (g, ghi) if stats(span_for(g), g)[1] > target_max else (glo, g)
-    gamma = (glo + ghi) / 2
-    span = span_for(gamma)
-    a, m = stats(span, gamma)
-    return dict(span=span, gamma=gamma, active=a, max_rows=m, t=t, seeds=list(seeds))
-
-
-# ---------------------------------------------------------------------------------------
-# accounting
-
-
-def expert_nbytes(fmt: str, n: int, k: int) -> int:
-    """Bytes of one expert's [n, k] weight as the kernels read it (codes + scales), as
-    ExpertBank.expert_nbytes of memra.bench.moe_census.random_bank: bf16 2 n k; fp8 n k +
-    4 per 128x128 block; nvfp4 n k / 2 + one UE4M3 byte per 16; q8_0 n k + 2 per 32."""
-    if fmt == "bf16":
-        return 2 * n * k
-    if fmt == "fp8":
-        return n * k + 4 * -(-n // 128) * -(-k // 128)
-    if fmt == "nvfp4":
-        return n * k // 2 + n * k // 16
-    if fmt == "q8_0":
-        return n * k + 2 * (n * k // 32)
-    raise ValueError(f"expert_nbytes: unknown format {fmt!r}; expected one of {FORMATS}")
-
-
-def projection_costs(fmt: str, t: int, pairs: int, active: int, d: int, i: int, fp8_act: bool) -> dict:
-    """FLOPs and byte floors of the two grouped GEMMs of one MoE layer (module docstring).
-
-    Returns {"gate_up": {flops, weight_bytes, act_bytes, bytes}, "down": {...}} with
-    gate_up flops = 2 * pairs * 2i * d, down flops = 2 * pairs * d * i; weight bytes = active x
-    :func:`expert_nbytes`; activation bytes: gate_up x [t, d] bf16 read + act [pairs, i]
-    written, down act read + y [t, d] bf16 written; act in bf16, or for the fp8 recipe
-    (``fp8_act`` with an fp8 bank) E4M3 codes + fp32 scales per 1x128 group.
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"projection_costs: unknown format {fmt!r}; expected one of {FORMATS}")
-    if min(t, pairs, d, i) < 1 or active < 0:
-        raise ValueError(f"projection_costs: bad sizes t={t} pairs={pairs} active={active} d={d} i={i}")
-    f8 = fp8_act and fmt == "fp8"
-    act = pairs * i * (1 if f8 else 2) + (pairs * -(-i // 128) * 4 if f8 else 0)
-    gu_w = active * expert_nbytes(fmt, 2 * i, d)
-    dn_w = active * expert_nbytes(fmt, d, i)
-    gu_a = t * d * 2 + act
-    dn_a = act + t * d * 2
-    return dict(gate_up=dict(flops=2.0 * pairs * 2 * i * d, weight_bytes=gu_w, act_bytes=gu_a, bytes=gu_w + gu_a),
-                down=dict(flops=2.0 * pairs * d * i, weight_bytes=dn_w, act_bytes=dn_a, bytes=dn_w + dn_a))
+# accounting (routing, banks, projection costs and ceilings: memra.bench.common)
 
 
 def roofline_us(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> tuple[float, str]:
@@ -287,55 +133,12 @@ def roofline_us(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: fl
 # GPU
 
 
-def matmul_ceilings(m: int = 8192, reps: int = 10, inner: int = 5) -> dict:
-    """bf16 ``torch.mm`` and FP8 ``torch._scaled_mm`` (E4M3 x E4M3 -> bf16) at m^3 on random
-    data, timed in CUDA graphs: {bf16_flops_per_s, fp8_flops_per_s, fp8_scaling, fp8_error}.
-    FP8 uses row-wise fp32 scales ([m, 1] x [1, m]); if torch refuses them, one tensor-wise
-    scale each (``fp8_scaling`` says which); if ``_scaled_mm`` fails altogether,
-    fp8_flops_per_s is None and ``fp8_error`` says why."""
-    from .census import _time_graph
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(123)
-    a = torch.randn(m, m, device=dev, generator=gen).to(torch.bfloat16)
-    b = torch.randn(m, m, device=dev, generator=gen).to(torch.bfloat16)
-    c = torch.empty(m, m, device=dev, dtype=torch.bfloat16)
-    us = _time_graph([lambda a=a, b=b, c=c: torch.mm(a, b, out=c)], reps, inner)
-    out = dict(m=m, bf16_us=us, bf16_flops_per_s=2.0 * m ** 3 / (us * 1e-6), fp8_flops_per_s=None,
-               fp8_scaling=None, fp8_error=None)
-    if hasattr(torch, "_scaled_mm"):
-        a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants the second operand
-        tries = (("row-wise", torch.full((m, 1), 1.0, device=dev), torch.full((1, m), 1.0, device=dev)),
-                 ("tensor-wise", torch.ones((), device=dev), torch.ones((), device=dev)))
-        errs = []
-        for name, sa, sb in tries:
-            try:
-                us8 = _time_graph([lambda sa=sa, sb=sb: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)], reps, inner)
-            except Exception as e:  # row-wise scaling is not in every build
-                errs.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-                torch.cuda.synchronize()
-                continue
-            out.update(fp8_us=us8, fp8_flops_per_s=2.0 * m ** 3 / (us8 * 1e-6), fp8_scaling=name)
-            break
-        out["fp8_error"] = "; ".join(errs) or None
-    else:
-        out["fp8_error"] = "torch has no _scaled_mm"
-    del a, b, c
-    torch.cuda.empty_cache()
-    return out
-
-
 def prefill_parts(x, index, weight, gate_up, down, limit, config) -> dict:
     """:func:`memra.kernels.moe_prefill.prefill_launches` (the launches moe_prefill runs, callable
     one by one): {"align", "gate_up", "down", "out", "ids", "block_expert", "config"}."""
     from ..kernels.moe_prefill import prefill_launches
 
     return prefill_launches(x, index, weight, gate_up, down, limit, None, config)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def _inner(us_est: float, graph_us: float, max_inner: int) -> int:
@@ -384,8 +187,6 @@ def run_moe_grouped(ts=(512, 2048, 4096), fmt: str = "nvfp4", routing: str = "sk
     if not torch.cuda.is_available():
         raise RuntimeError("memra bench moe-grouped needs a CUDA GPU")
     from ..kernels.moe_prefill import moe_prefill, moe_prefill_ref
-    from .census import _time_graph, copy_bandwidth, eager_us
-    from .moe_census import random_bank, random_moe
 
     shape = dict(shape or FLAGSHIP)
     e, k, d, i = shape["e"], shape["top_k"], shape["d"], shape["i"]
@@ -436,7 +237,7 @@ def run_moe_grouped(ts=(512, 2048, 4096), fmt: str = "nvfp4", routing: str = "sk
             for name, fn in (("align", parts["align"]), ("gate_up", parts["gate_up"]), ("down", parts["down"]),
                              ("call", lambda x=x, index=index, weight=weight, cfg=cfg: moe_prefill(x, index, weight, gu, dn, limit, config=cfg))):
                 inner = _inner(eager_us(fn), graph_us, max_inner)
-                times[name] = _time_graph([fn], reps, inner)
+                times[name] = cuda_graph_us([fn], reps, inner)
                 times[name + "_inner"] = inner
         except Exception as ex:  # a launch / capture failure is reported in the row, not fatal
             err = f"{type(ex).__name__}: {str(ex)[:400]}"
@@ -496,8 +297,6 @@ def grouped_mm_inputs(x: torch.Tensor, index: torch.Tensor, num_experts: int, i:
 def _baseline(x, index, bbanks, st, copy_bw, bf16_flops, reps, graph_us, max_inner) -> dict:
     """torch._grouped_mm (bf16) on the pairs sorted by expert: gate+up [P, D] x [E, D, 2I] and
     down [P, I] x [E, I, D]; gathers untimed. Checked on the hottest expert's rows."""
-    from .census import _time_graph, eager_us
-
     gu, dn = bbanks
     d = x.shape[1]
     i2 = gu.n
@@ -513,7 +312,7 @@ def _baseline(x, index, bbanks, st, copy_bw, bf16_flops, reps, graph_us, max_inn
             lo = int(offs[hot - 1]) if hot > 0 else 0
             ref = a[lo:int(offs[hot])].float() @ bank.data[hot].float().T
             inner = _inner(eager_us(fn), graph_us, max_inner)
-            us = _time_graph([fn], reps, inner)
+            us = cuda_graph_us([fn], reps, inner)
             flops = 2.0 * p * a.shape[1] * n_out
             nbytes = st["active"] * bank.expert_nbytes + a.numel() * 2 + p * n_out * 2
             roof, bound = roofline_us(flops, nbytes, bf16_flops, copy_bw)
@@ -625,9 +424,6 @@ def run_bench(a: argparse.Namespace) -> dict:
         raise SystemExit("memra bench moe-grouped: needs a CUDA GPU (none visible to torch); run it on the H200")
     import triton
 
-    from .census import _commit, copy_bandwidth
-    from .moe_census import random_bank, random_moe
-
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     t0 = time.time()
@@ -666,7 +462,7 @@ def run_bench(a: argparse.Namespace) -> dict:
         machine=dict(gpu=props.name, sms=props.multi_processor_count, memory_bytes=props.total_memory,
                      host=platform.node(), python=platform.python_version()),
         versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda),
-        commit=_commit(), ceilings=ceil, copy_bytes_per_s=copy_bw,
+        commit=commit(), ceilings=ceil, copy_bytes_per_s=copy_bw,
         routing=dict(skew_span=SKEW_SPAN, skew_gamma=SKEW_GAMMA, target=SKEW_TARGET, seed=a.seed,
                      note="per-token sampling without replacement, weights exp(-span (rank/(E-1))^gamma)"),
         method=dict(timing="CUDA graph of `inner` back-to-back calls, CUDA events, median of reps replays",
@@ -719,8 +515,6 @@ def run_from_args(a: argparse.Namespace) -> int:
     res = run_bench(a)
     print_table(res)
     if a.json_out:
-        from .census import write_json
-
         write_json(a.json_out, res)
     ok = all(r.get("correct", True) and r.get("split_ok", True) and "error" not in r
              for run in res["runs"] for r in run["rows"])

@@ -3,7 +3,7 @@ on the current GPU: ``memra bench moe-grouped --tune`` (writes
 :data:`memra.kernels.moe_prefill.TUNED_TABLE`, which :func:`~memra.kernels.moe_prefill.default_prefill_config`
 reads).
 
-Method, per (format, T), on the bench's skewed routing (:func:`memra.bench.moe_grouped.skewed_routing`,
+Method, per (format, T), on the bench's skewed routing (:func:`memra.bench.common.skewed_routing`,
 the original's production distribution at 4096 tokens) and random banks at the flagship shape:
 
 1. Candidates (:func:`candidates`): for each ``block_m`` of a short list chosen from the mean
@@ -18,11 +18,12 @@ the original's production distribution at 4096 tokens) and random banks at the f
 3. Timing in this process: each candidate's launch (gate+up: activation quantization for the
    fp8 recipe + kernel A; down: accumulator init + kernel B + cast, i.e. the launches
    :func:`~memra.kernels.moe_prefill.prefill_launches` returns) as the median of ``reps``
-   CUDA-event timings of ``inner`` back-to-back eager calls (each call is 0.3-5 ms, so launch
-   overhead is negligible). Per block_m: best A + best B (+ moe_align); the smallest total wins.
+   CUDA-event timings of 3 back-to-back eager calls (:func:`memra.bench.common.eager_us`; each
+   call is 0.3-5 ms, so launch overhead is negligible). Per block_m: best A + best B
+   (+ moe_align); the smallest total wins.
    Then group_m is swept on the winner (whole moe_prefill call).
 4. The winner is checked against :func:`~memra.kernels.moe_prefill.moe_prefill_ref` (rel. error
-   <= :data:`memra.bench.moe_grouped.CHECK_TOL`) before it is written; the heuristic default's
+   <= :data:`memra.bench.common.CHECK_TOL`) before it is written; the heuristic default's
    times are stored next to it.
 """
 
@@ -31,12 +32,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+
+from .common import CHECK_TOL, FLAGSHIP, commit, eager_us, random_moe, rel_err, routing_weights, skewed_routing
 
 __all__ = ["candidates", "precompile", "tune_point", "run_tune"]
 
@@ -102,9 +104,6 @@ def _validate_shape(cfg, fmt: str, d: int, i: int, validate) -> None:
 
 
 def _inputs(fmt: str, t: int, shape: dict, seed: int):
-    from .moe_census import random_moe
-    from .moe_grouped import routing_weights, skewed_routing
-
     dev = torch.device("cuda")
     e, k, d, i = shape["e"], shape["top_k"], shape["d"], shape["i"]
     gu, dn = random_moe(fmt, dev, seed=seed, e=e, d=d, i=i)[:2]
@@ -157,28 +156,12 @@ def precompile(fmt: str, t: int, shape: dict, seed: int, cfgs: list, workers: in
     return errs
 
 
-def _time_us(fn, reps: int = 5, inner: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        for _ in range(inner):
-            fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000.0 / inner)
-    return statistics.median(ts)
-
-
 def tune_point(fmt: str, t: int, shape: dict, seed: int = 0, workers: int = 12, reps: int = 5,
                quick: bool = False, log=print) -> dict:
     """Tunes one (format, T) (module docstring). Returns the table entry: {"t", "routing",
     "config", "us": {gate_up, down, align, call}, "default_config", "default_us", "rel_err",
     "tried", "failed"}. Raises: RuntimeError if no candidate ran or the winner is wrong."""
     from ..kernels.moe_prefill import default_prefill_config, moe_prefill, moe_prefill_ref, prefill_launches
-    from .moe_grouped import CHECK_TOL, _rel
 
     e, k, d, i = shape["e"], shape["top_k"], shape["d"], shape["i"]
     cands = candidates(fmt, t, shape, quick)
@@ -202,7 +185,7 @@ def tune_point(fmt: str, t: int, shape: dict, seed: int = 0, workers: int = 12, 
                     p = prefill_launches(x, index, weight, gu, dn, 7.0, None, c)
                     if part == "down":
                         p["gate_up"]()
-                    scored.append((_time_us(p[part], reps), c))
+                    scored.append((eager_us(p[part], reps=reps), c))
                 except Exception as ex:  # noqa: BLE001
                     failed[str(asdict(c))] = f"{type(ex).__name__}: {str(ex)[:200]}"
                     torch.cuda.synchronize()
@@ -211,7 +194,7 @@ def tune_point(fmt: str, t: int, shape: dict, seed: int = 0, workers: int = 12, 
         if len(res) < 2:
             continue
         p = prefill_launches(x, index, weight, gu, dn, 7.0, None, res["gate_up"][1])
-        align_us = _time_us(p["align"], reps)
+        align_us = eager_us(p["align"], reps=reps)
         total = res["gate_up"][0] + res["down"][0] + align_us
         a, b = res["gate_up"][1], res["down"][1]
         merged = replace(a, block_n_down=b.block_n_down, block_k_down=b.block_k_down,
@@ -228,18 +211,18 @@ def tune_point(fmt: str, t: int, shape: dict, seed: int = 0, workers: int = 12, 
     calls = []
     for gm in (1, 4, 8, 16, 32):
         c = replace(win, group_m=gm)
-        calls.append((_time_us(lambda c=c: moe_prefill(x, index, weight, gu, dn, 7.0, config=c), reps), c))
+        calls.append((eager_us(lambda c=c: moe_prefill(x, index, weight, gu, dn, 7.0, config=c), reps=reps), c))
     call_us, win = min(calls, key=lambda s: s[0])
     pl = prefill_launches(x, index, weight, gu, dn, 7.0, None, win)
-    us = dict(gate_up=_time_us(pl["gate_up"], reps), down=_time_us(pl["down"], reps), align=best[2]["align"],
-              call=call_us)
+    us = dict(gate_up=eager_us(pl["gate_up"], reps=reps), down=eager_us(pl["down"], reps=reps),
+              align=best[2]["align"], call=call_us)
     dflt = default_prefill_config(fmt, t, k, e, i, d, tuned=False)
     pd = prefill_launches(x, index, weight, gu, dn, 7.0, None, dflt)
-    default_us = dict(gate_up=_time_us(pd["gate_up"], reps), down=_time_us(pd["down"], reps),
-                      call=_time_us(lambda: moe_prefill(x, index, weight, gu, dn, 7.0, config=dflt), reps))
+    default_us = dict(gate_up=eager_us(pd["gate_up"], reps=reps), down=eager_us(pd["down"], reps=reps),
+                      call=eager_us(lambda: moe_prefill(x, index, weight, gu, dn, 7.0, config=dflt), reps=reps))
     y = moe_prefill(x, index, weight, gu, dn, 7.0, config=win)
     r = moe_prefill_ref(x.float(), index, weight, gu, dn, 7.0, fp8_act=win.fp8_act and fmt == "fp8")
-    rel = _rel(y, r)
+    rel = rel_err(y, r)
     if not (bool(torch.isfinite(y).all()) and rel <= CHECK_TOL):
         raise RuntimeError(f"tune {fmt} T={t}: the winner {win} is wrong: rel. error {rel:.3e}")
     log(f"  {fmt} T={t}: best {asdict(win)}: call {call_us:.0f} us (default {default_us['call']:.0f} us), "
@@ -256,8 +239,6 @@ def run_tune(ts, formats, out_path: str | Path, seed: int = 0, workers: int | No
     if not torch.cuda.is_available():
         raise SystemExit("memra bench moe-grouped --tune: needs a CUDA GPU (none visible to torch)")
     from ..kernels.moe_prefill import table_key, tuned_table
-    from .census import _commit
-    from .moe_grouped import FLAGSHIP
 
     shape = dict(FLAGSHIP)
     workers = workers or max(1, min(12, (os.cpu_count() or 2) - 2))
@@ -271,7 +252,7 @@ def run_tune(ts, formats, out_path: str | Path, seed: int = 0, workers: int | No
             entry = tune_point(fmt, t, shape, seed, workers, reps, quick)
             lst = [en for en in table["configs"].get(key, []) if en["t"] != t]
             table["configs"][key] = sorted(lst + [entry], key=lambda en: en["t"])
-            table.update(device=torch.cuda.get_device_name(), commit=_commit(),
+            table.update(device=torch.cuda.get_device_name(), commit=commit(),
                          torch=torch.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          method="memra/bench/moe_tune.py: skewed routing, per-kernel candidates, "
                                 "CUDA-event medians of eager calls; rel. error vs moe_prefill_ref checked")

@@ -11,8 +11,8 @@ the JSON say that the model was cut (``layers`` / ``layers_full`` / ``cut``).
 
 Measured, in this order, in one run:
 
-- ceilings: device-to-device copy bandwidth (memra.bench.census.copy_bandwidth), bf16
-  ``torch.mm`` and FP8 ``torch._scaled_mm`` at 8192^3 (memra.bench.moe_grouped.matmul_ceilings),
+- ceilings: device-to-device copy bandwidth (memra.bench.common.copy_bandwidth), bf16
+  ``torch.mm`` and FP8 ``torch._scaled_mm`` at 8192^3 (memra.bench.common.matmul_ceilings),
   and fp32 ``torch.mm`` at 4096^3 (the router's fp32 logits; TF32 as torch is set, off by default);
 - the chunk: ``--chunk`` random token ids at positions ``--prefix`` .. ``--prefix + chunk - 1``
   over a :class:`~memra.engine.kv_cache.PagedKVCache` sized for prefix + chunk (blocks of 16,
@@ -53,11 +53,11 @@ expert format, active experts and ceilings): a sum over pieces, each piece's flo
   ``prefix - window + 1`` on) + the chunk's K and V written + q read + o written, bf16; bf16 ceiling;
 - router, per MoE layer: fp32 logits [T, D] x [D, E] (FLOPs 2*T*D*E; bytes fp32 weights + the
   bf16 input + fp32 logits); the fp32 ceiling when measured, else bf16 (then a looser floor);
-- routed experts, per MoE layer: memra.bench.moe_grouped.projection_costs (gate+up and down:
+- routed experts, per MoE layer: memra.bench.common.projection_costs (gate+up and down:
   FLOPs 2 * T * top_k * 3 * I * D in all, bytes = the ACTIVE experts' weights as stored +
   activations); active experts = the distinct experts the model's own router chose for the
   chunk's real hidden states, per layer (measured; the JSON also gives, for comparison, the
-  count of memra.bench.moe_grouped.skewed_routing at T, the original's production skew);
+  count of memra.bench.common.skewed_routing at T, the original's production skew);
   ceiling FP8 for fp8 experts (FP8 block recipe, E4M3 x E4M3 dots), else bf16 (NVFP4 is
   dequantized to bf16 dot operands: Hopper has no FP4 tensor cores);
 - shared experts and dense MLPs: two bf16 GEMMs each (gate+up D -> 2I, down I -> D), bf16 ceiling;
@@ -82,10 +82,24 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .decode import _time  # median ms of an eager GPU call, CUDA events
+from .common import (
+    FORMATS,
+    commit,
+    copy_bandwidth,
+    cuda_graph_us,
+    eager_us,
+    matmul_ceilings,
+    phase_fns,
+    projection_costs,
+    routing_stats,
+    skewed_routing,
+    write_json,
+)
+from .common import median_ms as _time  # median ms of eager GPU calls, CUDA events (tests patch pf._time)
 
 __all__ = ["EXPERT_FORMATS", "visible_keys", "keys_read", "gemm_cost", "prefill_roofline", "check_args",
-           "chunk_inputs", "run_prefill_bench", "print_table", "add_prefill_args", "run_from_args", "main"]
+           "chunk_inputs", "run_prefill_bench", "print_table", "add_prefill_args", "run_from_args", "main",
+           "benchmark_prefill_attention"]
 
 #: routed-expert formats ``build_gpu_model`` can make in GPU memory (synthetic.SynthCheckpoint)
 EXPERT_FORMATS = ("nvfp4", "bf16")
@@ -166,7 +180,7 @@ def prefill_roofline(config, t: int, prefix: int = 0, *, expert_format: str, act
     Args:
         config: a step35 :class:`memra.config.ModelConfig`, or a synthetic geometry (name or dict,
             memra/io/synthetic.py; its MTP layers are not counted).
-        expert_format: routed experts as stored: one of memra.bench.moe_grouped.FORMATS.
+        expert_format: routed experts as stored: one of memra.bench.common.FORMATS.
         active_experts: distinct experts each MoE layer runs: one int for all, or one per MoE layer
             (each in 0 .. min(E, t * top_k)).
         bf16_flops_per_s, fp8_flops_per_s, fp32_flops_per_s: matmul ceilings (FLOP/s); fp8 is used
@@ -184,8 +198,6 @@ def prefill_roofline(config, t: int, prefix: int = 0, *, expert_format: str, act
     Raises: ValueError for t < 1, prefix < 0, an unknown format, a non-step35 config, ceilings
     <= 0, or an active-experts figure of the wrong length or out of range.
     """
-    from .moe_grouped import FORMATS, projection_costs
-
     _check_tp(t, prefix)
     if expert_format not in FORMATS:
         raise ValueError(f"prefill_roofline: unknown expert format {expert_format!r}; expected one of {FORMATS}")
@@ -317,16 +329,84 @@ def _fp32_ceiling(m: int = 4096) -> dict:
     """fp32 ``torch.mm`` at m^3 (the router's logits run so), CUDA graph timing."""
     import torch
 
-    from .census import _time_graph
-
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(7)
     a = torch.randn(m, m, device=dev, generator=gen)
     b = torch.randn(m, m, device=dev, generator=gen)
     c = torch.empty(m, m, device=dev)
-    us = _time_graph([lambda: torch.mm(a, b, out=c)], 5, 3)
+    us = cuda_graph_us([lambda: torch.mm(a, b, out=c)], 5, 3)
     return dict(m=m, fp32_us=us, fp32_flops_per_s=2.0 * m ** 3 / (us * 1e-6),
                 allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+
+
+def benchmark_prefill_attention(t: int = 4096, prefix: int = 0, h: int = 64, kv: int = 8, d: int = 128,
+                                window: int | None = None, reps: int = 20, seed: int = 0,
+                                **launch) -> dict:
+    """Times :func:`memra.kernels.attention_prefill.paged_prefill_attention` on random bf16 inputs
+    on the GPU (for tuning the kernel; not used by ``memra bench prefill``): one sequence of ``t``
+    new tokens after ``prefix`` cached ones, block size 16, shuffled physical blocks, gate on.
+
+    Returns a JSON-able dict: shape, ``us`` per call (CUDA events, mean over ``reps`` back-to-back
+    eager calls after a warm-up: :func:`memra.bench.common.eager_us`), ``flops`` = 4 * D * H *
+    (sum over the queries of their visible keys), ``tflops``, ``rel_err`` (max |out - ref| /
+    max |ref| against :func:`~memra.kernels.attention_prefill.paged_prefill_attention_ref` in
+    fp32) and, for ``window=None, prefix=0``, ``sdpa_us`` / ``sdpa_tflops`` of torch
+    ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on contiguous
+    [1, H, T, D] tensors (no gate) as the baseline. ``launch``: keywords of the kernel
+    (block_m, block_n, num_warps, num_stages).
+
+    Raises: RuntimeError without CUDA.
+    """
+    import torch
+
+    from ..kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("benchmark_prefill_attention needs a CUDA GPU")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    bs = 16
+    L = prefix + t
+    pages = -(-L // bs)
+    n_blocks = pages + 8
+    dt = torch.bfloat16
+    kc = torch.randn(n_blocks, bs, kv, d, device=dev, dtype=dt, generator=gen)
+    vc = torch.randn(n_blocks, bs, kv, d, device=dev, dtype=dt, generator=gen)
+    table = torch.randperm(n_blocks, device=dev, generator=gen)[:pages].int()[None, :]
+    q = torch.randn(t, h, d, device=dev, dtype=dt, generator=gen)
+    gate = torch.randn(t, h, device=dev, dtype=dt, generator=gen)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+    sl = torch.tensor([L], dtype=torch.int32, device=dev)
+    scale = d ** -0.5
+    pos = torch.arange(prefix, L, dtype=torch.float64)
+    vis = pos + 1 if window is None else torch.clamp(pos + 1, max=window)
+    flops = 4.0 * d * h * float(vis.sum())
+    out = torch.empty_like(q)
+
+    def run():
+        paged_prefill_attention(q, kc, vc, table, cu, sl, window, scale, gate=gate, out=out, max_q_len=t, **launch)
+
+    def timed(fn) -> float:
+        return eager_us(fn, inner=reps)
+
+    us = timed(run)
+    res = dict(t=t, prefix=prefix, h=h, kv=kv, d=d, window=window, us=us, flops=flops, tflops=flops / us * 1e-6)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), table, cu, sl, window, scale,
+                                      gate=gate.float())
+    res["rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
+    del ref
+    if window is None and prefix == 0:
+        import torch.nn.functional as F
+
+        qs = q.transpose(0, 1)[None].contiguous()
+        blk = table[0].long()[torch.arange(t, device=dev) // bs]
+        slot = torch.arange(t, device=dev) % bs
+        ks = kc[blk, slot].transpose(0, 1)[None].contiguous()
+        vs = vc[blk, slot].transpose(0, 1)[None].contiguous()
+        sdpa_us = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                               enable_gqa=h != kv))
+        res.update(sdpa_us=sdpa_us, sdpa_tflops=flops / sdpa_us * 1e-6)
+    return res
 
 
 def chunk_inputs(model, t: int, prefix: int, seed: int, device, block_size: int = 16):
@@ -371,8 +451,6 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
         raise SystemExit("memra bench prefill needs a CUDA GPU (it builds the model in GPU memory); none is visible")
     from ..io.synthetic import build_gpu_model, load_geometry, model_config
     from ..roofline import step35_bytes
-    from .census import _commit, copy_bandwidth
-    from .moe_grouped import matmul_ceilings, routing_stats, skewed_routing
 
     dev = torch.device("cuda")
     g = load_geometry(a.geometry) | {"mtp_layers": 0}
@@ -451,7 +529,7 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
             ttft = {"error": f"{type(e).__name__}: {e}"}
 
     return {
-        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": _commit(),
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "geometry": a.geometry, "layers": config.num_layers, "layers_full": layers_full, "cut": cut,
         "expert_format": a.expert_format, "chunk": T, "prefix": prefix, "seed": a.seed, "reps": a.reps,
         "build_seconds": build_s, "gpu_memory_bytes": total_mem, "peak_allocated_bytes": peak,
@@ -469,11 +547,9 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
 
 def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
     """ms per phase (each phase's modules over all layers, run alone, eager) on the inputs of one
-    real unfused forward (:func:`memra.bench.decode.phase_fns`), and the distinct experts each
+    real unfused forward (:func:`memra.bench.common.phase_fns`), and the distinct experts each
     MoE layer routed the chunk to."""
     import torch
-
-    from .decode import phase_fns
 
     fns, hidden, distinct = phase_fns(model, ids, pos, kv)
     with torch.inference_mode():
@@ -602,8 +678,6 @@ def run_from_args(a: argparse.Namespace) -> int:
     res = run_prefill_bench(a)
     print_table(res)
     if a.json_out:
-        from .census import write_json
-
         write_json(a.json_out, res, "wrote")
     return 0 if res["logits_finite"] else 1
 

@@ -1,8 +1,10 @@
 """KV-cache storage and the attention step over it.
 
 The model never touches cache layout: each attention layer calls
-``kv.attend(layer, q, k, v, window, scale)``, which writes the step's keys/values and
-attends over everything the queries may see. Two implementations:
+``kv.attend(layer, q, k, v, window, scale)`` (the attention-backend interface,
+memra/layers/attention.py ``AttentionBackend``), which writes the step's keys/values and
+attends over everything the queries may see. Two implementations here (the CUDA-graph decode
+view is memra/engine/cuda_graph.py ``DecodeKV``):
 
 - :class:`ContiguousKVCache`: one sequence, contiguous per layer (tests, single-prompt tools);
 - :class:`PagedKVCache` + :class:`PagedBatch`: the serving engine's paged cache. A
@@ -37,6 +39,8 @@ class ContiguousKVCache:
     Attributes:
         length: number of tokens whose K/V are committed.
     """
+
+    fuses_gate = False  # the attention layer applies a head gate itself
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):

@@ -96,7 +96,8 @@ class ModelRunner:
             ids.extend(req.all_token_ids[s:s + n])
             pos.extend(range(s, s + n))
             chunks.append(SeqChunk(s, n, req.block_tables))
-        kv = PagedBatch(self.cache, chunks)
+        # the attention backend of a mixed step: the paged Triton kernels when the cache is on a GPU
+        kv = PagedBatch(self.cache, chunks, use_kernels=self.device.type == "cuda")
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), kv)
         rows, owners = [], []
         off = 0

@@ -42,7 +42,7 @@ Kernel (``_prefill_kernel``, FlashAttention-2 style tiling, no O(T^2) memory):
   BLOCK_M 128, BLOCK_N 64 (32 with a sliding window), 4 warps, 3 stages. fp32 operands (IEEE
   dots, no tensor cores) 32 x 16 (larger tiles spill); under the Triton interpreter 16 x 16.
 
-Measured on the H200 (bf16, random inputs, ``benchmark_prefill_attention``; the GPU tests at
+Measured on the H200 (bf16, random inputs, ``memra.bench.prefill.benchmark_prefill_attention``; the GPU tests at
 these shapes pass with max relative error ~3e-3 vs the fp32 reference): full layer (H 64, KV 8,
 D 128), T = 4096 at prefix 0: 728 us, 377 TFLOP/s of causal FLOPs (torch SDPA's flash kernel,
 contiguous K/V, no pages, no gate: 476 us); sliding layer (H 96, window 512) T = 4096: 401 us.
@@ -65,7 +65,6 @@ __all__ = [
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "default_prefill_launch",
-    "benchmark_prefill_attention",
 ]
 
 _NAME = "paged_prefill_attention"
@@ -161,7 +160,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 def default_prefill_launch(d: int, dtype: torch.dtype = torch.bfloat16, mixed: bool = False,
                            window: int | None = None) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) for head dim ``d``. bf16/fp16, measured on the
-    H200 (``benchmark_prefill_attention``, T = 4096, D = 128, 9 configurations each; see
+    H200 (``memra.bench.prefill.benchmark_prefill_attention``, T = 4096, D = 128, 9 configurations each; see
     benchmarks/results/attention-prefill-h200.json): full attention (H 64, KV 8) 128 x 64 tiles,
     4 warps, 3 stages: 728 us (377 TFLOP/s; the first guess, 8 warps, took 901 us); sliding
     window 512 (H 96, KV 8) 128 x 32, 4 warps, 3 stages: 401 us (241 TFLOP/s; 461 us before).
@@ -258,73 +257,3 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# timing on the GPU (for tuning; not used by the engine)
-
-
-def benchmark_prefill_attention(t: int = 4096, prefix: int = 0, h: int = 64, kv: int = 8, d: int = 128,
-                                window: int | None = None, reps: int = 20, seed: int = 0,
-                                **launch) -> dict:
-    """Times :func:`paged_prefill_attention` on random bf16 inputs: one sequence of ``t`` new
-    tokens after ``prefix`` cached ones, block size 16, shuffled physical blocks, gate on.
-
-    Returns a JSON-able dict: shape, ``us`` per call (CUDA events, mean over ``reps`` after a
-    warm-up), ``flops`` = 4 * D * H * (sum over the queries of their visible keys), ``tflops``,
-    ``rel_err`` (max |out - ref| / max |ref| against :func:`paged_prefill_attention_ref` in
-    fp32) and, for ``window=None, prefix=0``, ``sdpa_us`` / ``sdpa_tflops`` of torch
-    ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on contiguous
-    [1, H, T, D] tensors (no gate) as the baseline. ``launch``: keywords of the kernel
-    (block_m, block_n, num_warps, num_stages).
-
-    Raises: RuntimeError without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("benchmark_prefill_attention needs a CUDA GPU")
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    bs = 16
-    L = prefix + t
-    pages = -(-L // bs)
-    n_blocks = pages + 8
-    dt = torch.bfloat16
-    kc = torch.randn(n_blocks, bs, kv, d, device=dev, dtype=dt, generator=gen)
-    vc = torch.randn(n_blocks, bs, kv, d, device=dev, dtype=dt, generator=gen)
-    table = torch.randperm(n_blocks, device=dev, generator=gen)[:pages].int()[None, :]
-    q = torch.randn(t, h, d, device=dev, dtype=dt, generator=gen)
-    gate = torch.randn(t, h, device=dev, dtype=dt, generator=gen)
-    cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
-    sl = torch.tensor([L], dtype=torch.int32, device=dev)
-    scale = d ** -0.5
-    pos = torch.arange(prefix, L, dtype=torch.float64)
-    vis = pos + 1 if window is None else torch.clamp(pos + 1, max=window)
-    flops = 4.0 * d * h * float(vis.sum())
-    out = torch.empty_like(q)
-
-    def run():
-        paged_prefill_attention(q, kc, vc, table, cu, sl, window, scale, gate=gate, out=out, max_q_len=t, **launch)
-
-    from ..bench.census import eager_us
-
-    def timed(fn) -> float:
-        return eager_us(fn, reps)
-
-    us = timed(run)
-    res = dict(t=t, prefix=prefix, h=h, kv=kv, d=d, window=window, us=us, flops=flops, tflops=flops / us * 1e-6)
-    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), table, cu, sl, window, scale,
-                                      gate=gate.float())
-    res["rel_err"] = float((out.float() - ref).abs().max() / ref.abs().max())
-    del ref
-    if window is None and prefix == 0:
-        import torch.nn.functional as F
-
-        qs = q.transpose(0, 1)[None].contiguous()
-        blk = table[0].long()[torch.arange(t, device=dev) // bs]
-        slot = torch.arange(t, device=dev) % bs
-        ks = kc[blk, slot].transpose(0, 1)[None].contiguous()
-        vs = vc[blk, slot].transpose(0, 1)[None].contiguous()
-        sdpa_us = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                               enable_gqa=h != kv))
-        res.update(sdpa_us=sdpa_us, sdpa_tflops=flops / sdpa_us * 1e-6)
-    return res

@@ -8,11 +8,11 @@ per layer. One launch each here.
 - :func:`swiglu`: ``gu`` [T, 2I] (rows [gate (I) | up (I)], the fused gate_up projection's
   output) -> [T, I] = min(silu(gate), limit) * clamp(up, -limit, limit) (no clamp when
   ``limit`` is None), computed in fp32, rounded once to gu's dtype. Source: STEP35.md
-  "SwiGLU clamp"; reference :func:`swiglu_ref` (memra.models.step3p5.swiglu).
+  "SwiGLU clamp"; reference :func:`swiglu_ref` (:func:`swiglu_torch` in fp32).
 - :func:`router_topk`: router logits fp32 [T, E] -> (index int64 [T, k], weight fp32 [T, k]):
   s = sigmoid(logits); the k largest s + bias are chosen (bias only chooses), in descending
   order; w = s[chosen] / sum(s[chosen]) * scaling. Source: STEP35.md "router"; reference
-  :func:`router_topk_ref` (memra.models.step3p5.MoE.route). Ties (equal s + bias) resolve to
+  :func:`router_topk_ref` (what memra/layers/moe.py routes with on the CPU). Ties (equal s + bias) resolve to
   the lower expert index.
 
 - :func:`kv_write`: this step's K and V rows [B, KV, D] into the paged caches
@@ -30,17 +30,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu", "swiglu_ref", "router_topk", "router_topk_ref", "kv_write", "kv_write_ref"]
+__all__ = ["swiglu", "swiglu_ref", "swiglu_torch", "router_topk", "router_topk_ref", "kv_write", "kv_write_ref"]
+
+
+def swiglu_torch(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(gate) * up with Step-3.5's clamp, ``min(silu(gate), limit) * clamp(up, -limit, limit)``,
+    in the inputs' dtype (each op rounded, as torch computes it); ``limit`` None: no clamp.
+    Shapes broadcast. Source: STEP35.md "SwiGLU clamp"; Shazeer 2020 (GLU variants)."""
+    a = F.silu(gate)
+    if limit is not None:
+        a = a.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return a * up
 
 
 def swiglu_ref(gu: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """Torch twin of :func:`swiglu` (fp32 math, one rounding)."""
+    """Torch twin of :func:`swiglu`: :func:`swiglu_torch` in fp32 on gu's two halves, one rounding."""
     g, u = gu.float().chunk(2, dim=-1)
-    a = F.silu(g)
-    if limit is not None:
-        a = a.clamp(max=limit)
-        u = u.clamp(-limit, limit)
-    return (a * u).to(gu.dtype)
+    return swiglu_torch(g, u, limit).to(gu.dtype)
 
 
 def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float

@@ -35,7 +35,7 @@ replaced by the same arithmetic in Triton ops (``ASM=False``).
 Every grid size depends only on (T, k, E, n, k, config), so :func:`moe_route` +
 :func:`moe_decode` can be captured in a CUDA graph.
 
-Math source: memra/models/step3p5.py (``MoE.route``, ``RoutedExperts.forward``,
+Math source: memra/layers/moe.py (``MoE.route``, ``RoutedExperts.forward``,
 ``swiglu``) and STEP35.md ("router", "SwiGLU clamp", "combine"). Kernel pattern: the
 grouped "fused MoE" decode GEMVs of vLLM / SGLang / llama.cpp (``mul_mat_vec_id``), ideas only.
 """
@@ -294,7 +294,7 @@ def _deinterleave(w: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tenso
 
 def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid top-k routing on the device: the math of ``MoE.route`` (memra/models/step3p5.py,
+    """Sigmoid top-k routing on the device: the math of ``MoE.route`` (memra/layers/moe.py,
     STEP35.md "router") in two launches: fp32 logits ``h.float() @ router^T`` (cuBLAS), then
     :func:`memra.kernels.fused.router_topk` (sigmoid, the top-k of ``s + bias``, the bias only
     choosing; weights ``s[chosen] / sum * scaling``). The model's GPU path calls this.
@@ -416,7 +416,7 @@ def moe_decode_ref(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, g
     Dequantizes only the chosen experts.
     """
     _check_moe_args(x, index, weight, gate_up, down, "moe_decode_ref")
-    from ..models.step3p5 import swiglu
+    from .fused import swiglu_torch as swiglu
 
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(index).tolist():

@@ -1,7 +1,7 @@
 """Routed-expert (MoE) prefill: a grouped GEMM over (token, expert) pairs sorted by expert.
 
 Same math as :func:`memra.kernels.moe_decode.moe_decode` (STEP35.md "SwiGLU clamp", "combine";
-memra/models/step3p5.py ``RoutedExperts.forward``, ``swiglu``)::
+memra/layers/moe.py ``RoutedExperts.forward``, memra/kernels/fused.py ``swiglu_torch``)::
 
     y[t] = sum_j weight[t, j] * down_e(swiglu(gate_e x[t], up_e x[t], limit))  (+ add[t]),  e = index[t, j]
     swiglu(g, u, limit) = min(silu(g), limit) * clamp(u, -limit, limit)         (limit None: silu(g) * u)
@@ -206,7 +206,7 @@ def moe_prefill_ref(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     Returns: y [T, D] in x.dtype. Raises: ValueError as :func:`moe_prefill`.
     """
     _check_moe_args(x, index, weight, gate_up, down, "moe_prefill_ref")
-    from ..models.step3p5 import swiglu
+    from .fused import swiglu_torch as swiglu
 
     t, d = x.shape
     if add is not None and tuple(add.shape) != (t, d):

@@ -1,6 +1,10 @@
 """Fused RMSNorm (optionally with the residual add) and per-head q/k RMSNorm + NeoX partial RoPE.
 
-Math (the model's, memra/layers/norm.py and memra/layers/rope.py):
+The plain-torch definitions here (:func:`rms_norm_torch`, :func:`rope_torch`) are the math
+itself: memra/layers/norm.py and memra/layers/rope.py run them on the CPU and the Triton
+kernels below on the GPU, behind one call.
+
+Math:
 - :func:`rms_norm`: ``y = x * rsqrt(mean(x^2) + eps) * w`` in fp32, rounded once to x's dtype;
   ``w`` fp32 [D] is the effective multiplier (1 + w already folded in for zero-centred norms).
   With ``residual``: ``s = x + residual`` in x's dtype (rounded, as torch adds), returns
@@ -10,7 +14,7 @@ Math (the model's, memra/layers/norm.py and memra/layers/rope.py):
   ``RMSNorm`` module, then RoPE on the first ``rotary_dim = cos.shape[-1]`` dims:
   ``out = x * cos + rotate_half(x) * sin`` (``rotate_half(x) = [-x2, x1]``), the rest of the
   head passing through. cos/sin [T, rotary_dim] are whatever the model built
-  (:func:`memra.layers.rope.rope_cos_sin`, rounded to the activation dtype). q, k may be
+  (memra/layers/rope.py ``rope_cos_sin``, rounded to the activation dtype). q, k may be
   strided views into a fused projection output; the results are new contiguous tensors.
   One launch for q and k together (program = token x head).
 
@@ -23,11 +27,36 @@ fp32 and rounds once, so in bf16 the two differ by at most ~1.5 bf16 ulps of the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..layers.norm import rms_norm as _model_rms_norm
-from ..layers.rope import apply_rope
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_torch", "qk_norm_rope", "qk_norm_rope_ref", "rope_torch"]
 
-__all__ = ["rms_norm", "rms_norm_ref", "qk_norm_rope", "qk_norm_rope_ref"]
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension of ``x`` [..., D] scaled by fp32 ``weight`` [D]:
+    ``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, rounded once to x's dtype (fp32 inputs:
+    torch's fused ``F.rms_norm``, one op: decode on the CPU is op-bound). Zhang & Sennrich
+    2019, "Root Mean Square Layer Normalization"."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE of the first ``rot = cos.shape[-1]`` dims of each head of ``x``
+    [T, H, D]: ``x * cos + rotate_half(x) * sin`` in x's dtype, the other dims passed through.
+    cos, sin [T, rot]. Su et al. 2021, "RoFormer"."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    xr = x[..., :rot]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos + rotated * sin
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat([out, x[..., rot:]], dim=-1)
 
 
 def _next_pow2(n: int) -> int:
@@ -46,12 +75,12 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`rms_norm` (memra.layers.norm.rms_norm after an optional residual add)."""
+    """Torch twin of :func:`rms_norm`: :func:`rms_norm_torch` after an optional residual add."""
     _check_norm(x, weight, residual)
     if residual is None:
-        return _model_rms_norm(x, weight, eps)
+        return rms_norm_torch(x, weight, eps)
     s = x + residual
-    return _model_rms_norm(s, weight, eps), s
+    return rms_norm_torch(s, weight, eps), s
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -103,13 +132,13 @@ def _check_qk(q, k, q_weight, k_weight, cos, sin) -> tuple[int, int, int, int, i
 def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
                      k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`qk_norm_rope`: exactly the model's ``RMSNorm`` then ``apply_rope``."""
+    """Torch twin of :func:`qk_norm_rope`: exactly :func:`rms_norm_torch` then :func:`rope_torch`."""
     _check_qk(q, k, q_weight, k_weight, cos, sin)
     if q_weight is not None:
-        q = _model_rms_norm(q, q_weight, eps)
+        q = rms_norm_torch(q, q_weight, eps)
     if k_weight is not None:
-        k = _model_rms_norm(k, k_weight, eps)
-    return apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous()
+        k = rms_norm_torch(k, k_weight, eps)
+    return rope_torch(q, cos, sin).contiguous(), rope_torch(k, cos, sin).contiguous()
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

@@ -15,6 +15,7 @@ from torch import nn
 from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
 from ..quant.tensor import QTensor
 from ..quant.types import QType
+from .device import KernelLayer
 
 __all__ = ["Linear", "Embedding", "gpu_linear", "pack_for_gpu"]
 
@@ -48,7 +49,7 @@ def q4_codes_scale_zero(qt: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, d, m + 8 * d
 
 
-class Linear(nn.Module):
+class Linear(KernelLayer):
     """y = x @ W^T (+ b), W the row-concatenation of one or more packed weights.
 
     Args:
@@ -87,7 +88,7 @@ class Linear(nn.Module):
         if dev.type == "cuda":  # weights already in GPU memory are packed in place, never dequantized
             self.bias = None if bias is None else bias.to(dev, dtype)
             self.packed_weight = pack_for_gpu(parts, dev, name=parts[0].name)
-            self.qweights, self.kernel = [], "gpu"
+            self.qweights, self.kernel, self.kernels = [], "gpu", True
             return
         if (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
                 and all(p.qtype in (QType.Q4_0, QType.Q4_1) for p in parts)):
@@ -114,7 +115,7 @@ class Linear(nn.Module):
         self.qweights, self.dtype = [], dtype
         self.in_features, self.out_features = weight.k, weight.n
         self.register_buffer("bias", None if bias is None else bias.to(weight.device, dtype), persistent=False)
-        self.kernel, self.packed_weight = "gpu", weight
+        self.kernel, self.packed_weight, self.kernels = "gpu", weight, True
         return self
 
     def to_gpu(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -127,7 +128,7 @@ class Linear(nn.Module):
         self.qweights = []
         if self.bias is not None:
             self.bias = self.bias.to(device, dtype)
-        self.kernel, self.dtype = "gpu", dtype
+        self.kernel, self.dtype, self.kernels = "gpu", dtype, True
 
     @property
     def weight(self) -> torch.Tensor:
@@ -217,7 +218,7 @@ def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = Non
     return y.reshape(*lead, w.n)
 
 
-class Embedding(nn.Module):
+class Embedding(KernelLayer):
     """Token embedding lookup that dequantizes only the rows it needs.
 
     Args:
@@ -250,7 +251,7 @@ class Embedding(nn.Module):
             self.qweight.data.to(dtype)
         self.rows = table.to(device)
         self.qweight = None
-        self.dtype, self.on_gpu = dtype, True
+        self.dtype, self.on_gpu, self.kernels = dtype, True, True
         self.scale_t = torch.tensor(self.scale, dtype=dtype, device=device)  # rounded to dtype first, as on the CPU
 
     @classmethod
@@ -260,13 +261,13 @@ class Embedding(nn.Module):
         nn.Module.__init__(self)
         self.qweight = None
         self.vocab_size, self.hidden = table.shape
-        self.dtype, self.scale, self.on_gpu = table.dtype, scale, True
+        self.dtype, self.scale, self.on_gpu, self.kernels = table.dtype, scale, True, True
         self.register_buffer("rows", table, persistent=False)
         self.scale_t = torch.tensor(scale, dtype=table.dtype, device=table.device)
         return self
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "on_gpu", False):
+        if self.kernels:
             x = self.rows[ids]
             return x * self.scale_t if self.scale != 1.0 else x
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):

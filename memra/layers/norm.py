@@ -1,31 +1,31 @@
-"""RMSNorm.
+"""RMSNorm, with the residual add fused in: one call, torch on the CPU, one Triton launch on the GPU.
 
 y = x * rsqrt(mean(x^2) + eps) * w, computed in fp32 and cast back to x's dtype
 (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"). Zero-centred variants
 (Gemma, Step-3.5: ``* (1 + w)``) are folded into ``w`` when the weights are loaded, so
-there is one norm here.
+there is one norm here. The math: memra/kernels/norm_rope.py ``rms_norm_torch`` (CPU) and
+its fused kernel ``rms_norm`` (GPU).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from ..kernels.norm_rope import rms_norm as fused_rms_norm
+from ..kernels.norm_rope import rms_norm_torch
+from .device import KernelLayer
 
 __all__ = ["rms_norm", "RMSNorm"]
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dimension of ``x`` [..., D] and scale by ``weight`` [D]."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op (decode is op-bound on CPU)
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+rms_norm = rms_norm_torch  # RMS-normalise the last dimension of x [..., D], scale by weight [D]
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm with an effective multiplier ``weight`` [D] (already 1 + w for zero-centred norms)."""
+class RMSNorm(KernelLayer):
+    """RMSNorm with an effective multiplier ``weight`` fp32 [D] (already 1 + w for zero-centred norms).
+
+    ``norm(x)`` [..., D] -> [..., D] in x's dtype; ``norm.add(x, residual)`` -> (norm(x + residual),
+    x + residual), the pre-norm residual stream's step (the sum rounded to x's dtype, as torch adds).
+    """
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -33,8 +33,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "gpu", False) and x.dim() == 2:  # one fused launch (memra/kernels/norm_rope.py)
-            from ..kernels.norm_rope import rms_norm as fused_rms_norm
-
+        if self.kernels and x.dim() == 2:
             return fused_rms_norm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = x + residual [T, D] (``residual`` None: s = x)."""
+        if residual is None:
+            return self(x), x
+        if self.kernels:
+            return fused_rms_norm(x, self.weight, self.eps, residual=residual)
+        s = x + residual
+        return rms_norm_torch(s, self.weight, self.eps), s

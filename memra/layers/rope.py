@@ -4,7 +4,9 @@ Su et al. 2021, "RoFormer". The first ``rotary_dim`` dims of each head are split
 halves (x1, x2) rotated as (x1 cos - x2 sin, x2 cos + x1 sin) with frequencies
 ``theta ** (-2i / rotary_dim)``; the remaining dims pass through. Checkpoints whose
 q/k rows are stored in the interleaved (GPT-J) order are permuted at load time, so
-every model here uses this one layout.
+every model here uses this one layout. The rotation itself (``apply_rope``) is
+memra/kernels/norm_rope.py ``rope_torch``, whose fused GPU form (with the q/k norms)
+memra/layers/attention.py calls.
 
 Scalings: ``linear`` divides frequencies by the factor; ``llama3`` applies Meta's
 wavelength-dependent rule (Llama 3.1 report, section on long context; same numbers as
@@ -20,6 +22,7 @@ import math
 import torch
 
 from ..config import LayerConfig, RopeScaling
+from ..kernels.norm_rope import rope_torch as apply_rope  # x [T, H, D] rotated by cos, sin [T, rot]
 
 __all__ = ["inv_frequencies", "rope_cos_sin", "apply_rope"]
 
@@ -80,16 +83,3 @@ def rope_cos_sin(lc: LayerConfig, positions: torch.Tensor, dtype: torch.dtype) -
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of each head of ``x`` [T, H, D]."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    xr = x[..., :rot]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * cos + rotated * sin
-    if rot == x.shape[-1]:
-        return out
-    return torch.cat([out, x[..., rot:]], dim=-1)

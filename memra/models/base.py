@@ -15,13 +15,14 @@ from torch import nn
 from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
+from ..layers.device import check_gpu_device, modules_to_gpu, on_device
 from ..layers.linear import Embedding, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin, rope_key
 from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 
-__all__ = ["CausalLM", "GGUFWeights", "HFWeights", "MODEL_REGISTRY", "register_model"]
+__all__ = ["CausalLM", "GGUFWeights", "HFWeights", "MODEL_REGISTRY", "on_device", "register_model"]
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
 
@@ -112,35 +113,19 @@ class HFWeights:
                 f"{ex[:5]}{' ...' if len(ex) > 5 else ''}")
 
 
-def on_device(module: nn.Module, device: torch.device | str | None, dtype: torch.dtype) -> nn.Module:
-    """``module`` moved with :func:`modules_to_gpu` when ``device`` is given, else as it is."""
-    if device is not None:
-        modules_to_gpu(module, torch.device(device), dtype)
-    return module
-
-
-def modules_to_gpu(root: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Move every module under ``root`` to ``device`` in place: Linear / Embedding / routed
-    experts into their packed GPU forms (``to_gpu``), then the remaining buffers (norms,
-    routers, biases). Modules already on the GPU are skipped. Used by :meth:`CausalLM.to_gpu`
-    and, layer by layer, while loading with ``device=`` (so that the host never holds more
-    than one layer's dequantized weights)."""
-    for m in list(root.modules()):
-        if getattr(m, "kernel", None) == "gpu" or getattr(m, "on_gpu", False):
-            continue  # built in GPU memory already
-        if isinstance(m, (Linear, Embedding)):
-            m.to_gpu(device, dtype)
-        elif not isinstance(m, CausalLM) and hasattr(m, "to_gpu"):
-            m.to_gpu(device)
-    root.to(device)
-
-
 class CausalLM(nn.Module):
     """Decoder-only LM skeleton.
 
-    Subclasses implement :meth:`build_layer` and may override :meth:`load_config_tensors`.
+    Subclasses implement :meth:`build_layer` and may override :meth:`adjust_config`.
     forward(input_ids int64 [T], positions int64 [T], kv) -> final-normed hidden [T, hidden];
     logits(hidden) -> fp32 [T, vocab].
+
+    Decoder layers speak the pre-norm residual stream in the form that lets the add fuse into
+    the next norm: ``layer(x, residual, cos, sin, kv) -> (x', residual')`` where the stream after
+    the layer is ``x' + residual'`` (``x'``: its last sublayer's output, not yet added) and
+    ``residual`` is None for the first layer (vLLM's convention). Each norm then computes
+    ``norm.add(x, residual)`` = (rmsnorm(x + residual), x + residual): the same numbers as
+    ``x = x + f(norm(x))``, one launch fewer per sublayer on the GPU.
     """
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[nn.Module], norm: RMSNorm,
@@ -164,11 +149,11 @@ class CausalLM(nn.Module):
         residual stream before the final norm (what MTP heads consume; apply ``self.norm``
         to get the former).
         """
-        x = self.embed(input_ids)
-        rope = self.rope_tables(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *rope[i], kv)
-        return x if prenorm else self.norm(x)
+        x, residual = self.embed(input_ids), None  # [T, hidden]
+        for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
+            x, residual = layer(x, residual, cos, sin, kv)
+        y, x = self.norm.add(x, residual)
+        return x if prenorm else y
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per decoder layer, its (cos, sin) tables [T, rotary_dim] at int64 ``positions`` [T];
@@ -186,26 +171,19 @@ class CausalLM(nn.Module):
     def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> CausalLM:
         """Move the model to a CUDA ``device`` in place and return it.
 
-        Linear weights keep their checkpoint format (memra/kernels/gemv.py layouts; formats
-        without a decode kernel are dequantized to bf16, see ``pack_for_gpu``), routed experts
-        become expert banks (memra/kernels/moe_decode.py), the embedding table is held in
-        ``dtype``; norms and routers stay fp32. Plain float weights (F32/F16/BF16) are held in
-        bf16 whatever ``dtype`` is (the decode kernels' "bf16" format). Compute dtype becomes
-        ``dtype``. Host copies of the weights are released. Parts already moved (a model
-        loaded with ``device=``, or built in GPU memory) are left as they are.
+        Every layer switches to its kernel path (memra/layers/device.py): linear weights keep
+        their checkpoint format (memra/layers/linear.py ``pack_for_gpu``; formats without a
+        decode kernel are dequantized to bf16), routed experts become expert banks
+        (memra/layers/moe.py), the embedding table is held in ``dtype``; norms and routers stay
+        fp32. Plain float weights (F32/F16/BF16) are held in bf16 whatever ``dtype`` is (the
+        decode kernels' "bf16" format). Compute dtype becomes ``dtype``. Host copies of the
+        weights are released. Parts already moved (a model loaded with ``device=``, or built in
+        GPU memory) are left as they are.
 
         Raises: ValueError if ``device`` is not a CUDA device (the CPU is accepted under the
         Triton interpreter, ``TRITON_INTERPRET=1``, so that tests can run this path there).
         """
-        from ..kernels.gemv import interpret_mode
-
-        device = torch.device(device)
-        if device.type != "cuda" and not interpret_mode():
-            raise ValueError(f"to_gpu: expected a CUDA device, got {device} (the CPU takes it only under "
-                             f"TRITON_INTERPRET=1, for tests)")
-        modules_to_gpu(self, device, dtype)
-        for m in self.modules():
-            m.gpu = True  # forwards take their fused-kernel paths (memra/kernels)
+        modules_to_gpu(self, check_gpu_device(device), dtype)
         return self
 
     # -------------------------------------------------------------- loading
@@ -215,7 +193,7 @@ class CausalLM(nn.Module):
         """Build the model from a GGUF checkpoint; shapes are checked against ``config``.
 
         ``progress`` shows a tqdm bar over the layers on stderr. ``device`` (a CUDA device):
-        each layer is moved there as soon as it is built (:func:`modules_to_gpu`), then the
+        each layer is moved there as soon as it is built (memra/layers/device.py), then the
         model is finished with :meth:`to_gpu`.
 
         Raises:

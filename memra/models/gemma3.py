@@ -26,7 +26,7 @@ class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 decoder (sandwich norms, GeGLU, local/global attention)."""
 
     class Layer(nn.Module):
-        """Sandwich-norm decoder layer: x [T, hidden] -> [T, hidden]."""
+        """Sandwich-norm decoder layer (the layers of memra/models/llama.py, four norms)."""
 
         def __init__(self, attn, mlp, input_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm):
             super().__init__()
@@ -34,9 +34,12 @@ class Gemma3ForCausalLM(CausalLM):
             self.input_norm, self.post_attn_norm = input_norm, post_attn_norm
             self.pre_ffw_norm, self.post_ffw_norm = pre_ffw_norm, post_ffw_norm
 
-        def forward(self, x, cos, sin, kv):
-            x = x + self.post_attn_norm(self.attn(self.input_norm(x), cos, sin, kv))
-            return x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x)))
+        def forward(self, x, residual, cos, sin, kv):
+            """Residual-stream form (:class:`~memra.models.base.CausalLM`) of the sandwich above."""
+            h, residual = self.input_norm.add(x, residual)                  # x += pending
+            o = self.post_attn_norm(self.attn(h, cos, sin, kv))
+            h2, residual = self.pre_ffw_norm.add(o, residual)               # h = x + post_attn_norm(attn(..))
+            return self.post_ffw_norm(self.mlp(h2)), residual               # pending: post_ffw_norm(mlp(..))
 
     @classmethod
     def build_layer(cls, w: GGUFWeights, i: int, lc: LayerConfig) -> nn.Module:

@@ -11,70 +11,16 @@ q/k/v projections (Qwen2 technical report). Reference: transformers ``LlamaModel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerConfig, ModelConfig
-from ..layers.activations import ACTIVATIONS
+from ..layers.activations import GatedMLP
+from ..layers.attention import Attention
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.rope import apply_rope
 from .base import CausalLM, GGUFWeights, register_model
 
-__all__ = ["Attention", "GatedMLP", "LlamaForCausalLM", "unpermute_gguf_qk"]
-
-
-class Attention(nn.Module):
-    """Multi-head attention with GQA, RoPE, optional per-head q/k RMSNorm.
-
-    x [T, hidden] -> [T, hidden]. ``qkv`` is the fused projection whose output rows are
-    [q (H*D) | k (KV*D) | v (KV*D)].
-    """
-
-    def __init__(self, index: int, lc: LayerConfig, qkv: Linear, o: Linear, scale: float,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
-        super().__init__()
-        self.index, self.lc, self.scale = index, lc, scale
-        self.qkv, self.o = qkv, o
-        self.q_norm, self.k_norm = q_norm, k_norm
-        self.sizes = [lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim]
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
-        T, lc = x.shape[0], self.lc
-        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
-        q = q.view(T, lc.num_heads, lc.head_dim)
-        k = k.view(T, lc.num_kv_heads, lc.head_dim)
-        v = v.view(T, lc.num_kv_heads, lc.head_dim)
-        if getattr(self, "gpu", False):  # fused q/k norm + RoPE (memra/kernels/norm_rope.py)
-            from ..kernels.norm_rope import qk_norm_rope
-
-            qn, kn = self.q_norm, self.k_norm
-            q, k = qk_norm_rope(q, k, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                                1e-6 if qn is None else qn.eps, cos, sin)
-            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale)
-            return self.o(o.reshape(T, lc.num_heads * lc.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # q and k heads rotated in one call (fewer ops per decode step)
-        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([lc.num_heads, lc.num_kv_heads], dim=1)
-        o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale)
-        return self.o(o.reshape(T, lc.num_heads * lc.head_dim))
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); ``gate_up`` is fused with rows [gate (I) | up (I)]."""
-
-    def __init__(self, gate_up: Linear, down: Linear, act: str):
-        super().__init__()
-        self.gate_up, self.down, self.act = gate_up, down, ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "gpu", False) and self.act is F.silu:
-            from ..kernels.fused import swiglu
-
-            return self.down(swiglu(self.gate_up(x), None))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+__all__ = ["LlamaForCausalLM", "load_attention", "load_mlp", "unpermute_gguf_qk"]
 
 
 def load_attention(w: GGUFWeights, i: int, lc: LayerConfig, permuted_qk: bool) -> Attention:
@@ -97,7 +43,7 @@ def load_attention(w: GGUFWeights, i: int, lc: LayerConfig, permuted_qk: bool) -
         qn = w.norm(p + "attn_q_norm", lc.head_dim, why)
         kn = w.norm(p + "attn_k_norm", lc.head_dim, why)
     scale = c.attn_scale if c.attn_scale is not None else lc.head_dim ** -0.5
-    return Attention(i, lc, qkv, o, scale, qn, kn)
+    return Attention(i, lc, qkv, o, scale, qn, kn)  # [T, hidden] -> [T, hidden]
 
 
 def load_mlp(w: GGUFWeights, i: int) -> GatedMLP:
@@ -111,7 +57,7 @@ def load_mlp(w: GGUFWeights, i: int) -> GatedMLP:
     I = c.intermediate_size
     gate_up = w.linear([p + "ffn_gate", p + "ffn_up"], [I, I], c.hidden_size, why)
     down = w.linear([p + "ffn_down"], [c.hidden_size], I, why)
-    return GatedMLP(gate_up, down, c.hidden_act)
+    return GatedMLP(gate_up, down, c.hidden_act)  # SwiGLU (Llama, Qwen2) or GeGLU (Gemma 3)
 
 
 def unpermute_gguf_qk(t, n_heads: int):
@@ -135,15 +81,16 @@ class LlamaForCausalLM(CausalLM):
     """Llama / Qwen2 decoder (pre-norm, SwiGLU)."""
 
     class Layer(nn.Module):
-        """Pre-norm decoder layer: x [T, hidden] -> [T, hidden]."""
+        """Pre-norm decoder layer on the residual stream (:class:`~memra.models.base.CausalLM`)."""
 
         def __init__(self, attn: Attention, mlp: GatedMLP, attn_norm: RMSNorm, ffn_norm: RMSNorm):
             super().__init__()
             self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
-        def forward(self, x, cos, sin, kv):
-            x = x + self.attn(self.attn_norm(x), cos, sin, kv)
-            return x + self.mlp(self.ffn_norm(x))
+        def forward(self, x, residual, cos, sin, kv):
+            h, residual = self.attn_norm.add(x, residual)                      # x += pending; h = rmsnorm(x)
+            h2, residual = self.ffn_norm.add(self.attn(h, cos, sin, kv), residual)  # x += attn(h)
+            return self.mlp(h2), residual                                      # pending: mlp(rmsnorm(x))
 
     @classmethod
     def build_layer(cls, w: GGUFWeights, i: int, lc: LayerConfig) -> nn.Module:

@@ -24,255 +24,41 @@ state for k = 0 and MTP layer k-1's output z afterwards (chained).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
-from ..layers.attention import attention
+from ..layers.activations import GatedMLP, swiglu
+from ..layers.attention import Attention, SelfContainedKV
 from ..layers.linear import Embedding, Linear
+from ..layers.moe import MoE, RoutedExperts
 from ..layers.norm import RMSNorm
-from ..layers.rope import apply_rope, rope_cos_sin
+from ..layers.rope import rope_cos_sin
 from .base import CausalLM, HFWeights, on_device, register_model
 
-__all__ = ["Step35ForCausalLM", "GatedAttention", "SwiGLU", "RoutedExperts", "MoE", "Step35Layer", "MTPLayer",
-           "swiglu", "gguf_tensor_name", "GGUFStep35Weights"]
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """silu(gate) * up with Step-3.5's clamp: min(silu(gate), limit) * clamp(up, -limit, limit).
-
-    ``limit`` None: no clamp. Shapes broadcast; dtype of the inputs. Source: STEP35.md "SwiGLU clamp".
-    """
-    a = F.silu(gate)
-    if limit is not None:
-        a = a.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return a * up
-
-
-class GatedAttention(nn.Module):
-    """GQA with per-head q/k RMSNorm, (partial) RoPE and a head-wise sigmoid output gate.
-
-    h [T, hidden] (the normed layer input) -> [T, hidden]. ``qkvg`` is one fused projection
-    whose output rows are [q (H*Dh) | k (KV*Dh) | v (KV*Dh) | g (H)]. Attention goes through
-    the KV cache object: ``kv.attend(index, q, k, v, window, scale)``.
-    """
-
-    def __init__(self, index: int, lc: LayerConfig, qkvg: Linear, o: Linear, q_norm: RMSNorm, k_norm: RMSNorm,
-                 scale: float):
-        super().__init__()
-        self.index, self.lc, self.scale = index, lc, scale
-        self.qkvg, self.o, self.q_norm, self.k_norm = qkvg, o, q_norm, k_norm
-        H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
-        self.sizes = [H * Dh, KV * Dh, KV * Dh, H]
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
-        T, lc = h.shape[0], self.lc
-        H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
-        q, k, v, g = self.qkvg(h).split(self.sizes, dim=-1)
-        if getattr(self, "gpu", False):  # fused kernels (memra/kernels/norm_rope.py, attention_decode.py)
-            from ..kernels.norm_rope import qk_norm_rope
-
-            q, k = qk_norm_rope(q.view(T, H, Dh), k.view(T, KV, Dh), self.q_norm.weight, self.k_norm.weight,
-                                self.q_norm.eps, cos, sin)
-            if getattr(kv, "fuses_gate", False):
-                o = kv.attend(self.index, q, k, v.view(T, KV, Dh), lc.sliding_window, self.scale, gate=g)
-            else:
-                o = kv.attend(self.index, q, k, v.view(T, KV, Dh), lc.sliding_window, self.scale)
-                o = o * torch.sigmoid(g)[..., None]
-            return self.o(o.reshape(T, H * Dh))
-        q = self.q_norm(q.view(T, H, Dh))
-        k = self.k_norm(k.view(T, KV, Dh))
-        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([H, KV], dim=1)
-        o = kv.attend(self.index, q, k, v.view(T, KV, Dh), lc.sliding_window, self.scale)  # [T, H, Dh]
-        o = o * torch.sigmoid(g)[..., None]
-        return self.o(o.reshape(T, H * Dh))
-
-
-class SwiGLU(nn.Module):
-    """Dense MLP / shared expert: down(swiglu(x Wgate, x Wup, limit)); ``gate_up`` rows [gate (I) | up (I)]."""
-
-    def __init__(self, gate_up: Linear, down: Linear, limit: float | None):
-        super().__init__()
-        self.gate_up, self.down, self.limit = gate_up, down, limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "gpu", False):
-            from ..kernels.fused import swiglu as fused_swiglu
-
-            return self.down(fused_swiglu(self.gate_up(x), self.limit))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up, self.limit))
-
-
-MOE_DECODE_MAX_T = 64  # GPU: up to this many tokens through moe_decode, more through moe_prefill
-
-
-class RoutedExperts(nn.Module):
-    """``E`` SwiGLU experts applied to the tokens routed to them.
-
-    Args:
-        gate, up: per-expert weights [I, D] (lists of E packed tensors) or one stacked
-            packed tensor [E, I, D] (QTensor or FP8BlockTensor); down likewise [E, D, I].
-        limit: SwiGLU clamp of this layer's routed experts (None: none).
-        dtype: compute dtype; the CPU path keeps dense copies ``w_gate_up`` [E, 2I, D] and
-            ``w_down`` [E, D, I] next to the packed ``qweights``.
-
-    forward(x [T, D], index int64 [T, k], weight fp32 [T, k]) -> [T, D]: a loop over the
-    experts that were chosen at least once; each one's weights are used once per call, on
-    all of its tokens. ``tokens_per_expert`` (int64 [E]) holds the counts of the last call.
-    On the GPU (:meth:`to_gpu`): memra/kernels/moe_decode.py for T <= 64 (decode), the grouped
-    GEMM of memra/kernels/moe_prefill.py above (prefill chunks); no routing counts.
-    """
-
-    def __init__(self, gate, up, down, limit: float | None, dtype: torch.dtype):
-        super().__init__()
-        self.qweights = (gate, up, down)
-        self.limit = limit
-
-        first = gate[0] if isinstance(gate, list) else gate
-        if (first.codes if hasattr(first, "codes") else first.data).device.type == "cuda":
-            self.to_gpu(None)  # weights already in GPU memory become expert banks in place, never dense
-            return
-
-        def dense(w) -> torch.Tensor:
-            return torch.stack([p.dequantize(dtype) for p in w]) if isinstance(w, list) else w.dequantize(dtype)
-
-        self.register_buffer("w_gate_up", torch.cat([dense(gate), dense(up)], dim=1), persistent=False)
-        self.register_buffer("w_down", dense(down), persistent=False)
-        self.num_experts = self.w_down.shape[0]
-        self.tokens_per_expert: torch.Tensor | None = None
-
-    # ------------------------------------------------------------------ GPU
-    def to_gpu(self, device: torch.device | str | None) -> None:
-        """Move the experts to a CUDA ``device`` (None: where they are) in place, kept in their checkpoint format as
-        expert banks (memra/kernels/moe_decode.py: gate and up fused and row-interleaved);
-        the dense host copies are dropped."""
-        from ..kernels.moe_decode import fuse_gate_up, pack_expert_bank
-
-        gate, up, down = self.qweights
-        self.qweights = ()
-        gu = fuse_gate_up(pack_expert_bank(gate, "gate"), pack_expert_bank(up, "up"))
-        del gate, up
-        self.gate_up_bank = gu if device is None else gu.to(device)
-        dn = pack_expert_bank(down, "down")
-        self.down_bank = dn if device is None else dn.to(device)
-        self.num_experts = self.down_bank.e
-        self.tokens_per_expert = None
-        for name in ("w_gate_up", "w_down"):
-            if hasattr(self, name):
-                delattr(self, name)
-
-    @classmethod
-    def from_banks(cls, gate_up, down, limit: float | None) -> RoutedExperts:
-        """GPU experts over already packed banks (``fuse_gate_up`` output [E, 2I, D] and
-        down [E, D, I], memra/kernels/moe_decode.py), e.g. synthetic full-size ones."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.qweights, self.limit = (), limit
-        self.gate_up_bank, self.down_bank = gate_up, down
-        self.num_experts = down.e
-        self.tokens_per_expert = None
-        return self
-
-    @property
-    def on_gpu(self) -> bool:
-        return hasattr(self, "gate_up_bank")
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
-        if self.on_gpu:
-            # no routing counts here: they would cost two launches per layer per step
-            if x.shape[0] <= MOE_DECODE_MAX_T:
-                from ..kernels.moe_decode import moe_decode
-
-                return moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
-            from ..kernels.moe_prefill import moe_prefill  # grouped tensor-core GEMM for prefill chunks
-
-            return moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit, add=add)
-        out = torch.zeros_like(x)
-        counts = torch.bincount(index.flatten(), minlength=self.num_experts)
-        self.tokens_per_expert = counts
-        for e in counts.nonzero().flatten().tolist():
-            rows, slot = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.w_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.limit), self.w_down[e])
-            # rows are distinct (top-k picks an expert at most once per token); indexed += rather than
-            # index_add_, which on CPU enters an OpenMP region even for a few rows (ms per call under load)
-            out[rows] += y * weight[rows, slot, None].to(y.dtype)
-        return out if add is None else out + add
-
-
-class MoE(nn.Module):
-    """Sigmoid-routed top-k experts plus an unscaled shared expert (STEP35.md "router", "combine").
-
-    Args:
-        router: fp32 [E, D]; bias: fp32 [E] or None (used only to choose the top-k).
-        experts: :class:`RoutedExperts`; shared: :class:`SwiGLU` or None.
-        top_k: experts per token; scaling: ``moe_router_scaling_factor`` (routed only).
-    forward(h2 [T, D]) -> [T, D].
-    """
-
-    def __init__(self, router: torch.Tensor, bias: torch.Tensor | None, experts: RoutedExperts,
-                 shared: SwiGLU | None, top_k: int, scaling: float):
-        super().__init__()
-        self.register_buffer("router", router.float(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
-        self.experts, self.shared, self.top_k, self.scaling = experts, shared, top_k, scaling
-
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chosen experts int64 [T, k] and their weights fp32 [T, k] (sum to ``scaling`` per token)."""
-        if getattr(self, "gpu", False):  # fp32 logits by cuBLAS, then one fused kernel (memra/kernels/moe_decode.py)
-            from ..kernels.moe_decode import moe_route
-
-            return moe_route(h, self.router, self.bias, self.top_k, self.scaling)
-        s = torch.sigmoid(h.float() @ self.router.t())  # fp32 logits -> scores [T, E]
-        choice = s if self.bias is None else s + self.bias
-        index = choice.topk(self.top_k, dim=-1).indices
-        w = s.gather(1, index)
-        return index, w / w.sum(dim=-1, keepdim=True) * self.scaling
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        index, weight = self.route(h)
-        if getattr(self, "gpu", False):  # the routed experts accumulate onto the shared expert's output
-            return self.experts(h, index, weight, None if self.shared is None else self.shared(h))
-        y = self.experts(h, index, weight)
-        return y if self.shared is None else y + self.shared(h)
-
-    @property
-    def tokens_per_expert(self) -> torch.Tensor | None:
-        return self.experts.tokens_per_expert
+__all__ = ["Step35ForCausalLM", "Step35Layer", "MTPLayer", "swiglu", "gguf_tensor_name", "GGUFStep35Weights"]
 
 
 class Step35Layer(nn.Module):
-    """Pre-norm decoder layer: x += attn(norm(x)); x += mlp(norm(x)). x [T, D] -> [T, D]."""
+    """One Step-3.5 decoder layer (STEP35.md "per-layer forward"), on the residual stream of
+    :class:`~memra.models.base.CausalLM`: ``(x, residual) -> (x', residual')``, the layer's output
+    being ``x' + residual'``; every tensor [T, D].
 
-    def __init__(self, attn: GatedAttention, mlp: SwiGLU | MoE, attn_norm: RMSNorm, ffn_norm: RMSNorm):
+    attn: gated GQA (:class:`~memra.layers.attention.Attention` with ``gated``); mlp: dense SwiGLU
+    (:class:`~memra.layers.activations.GatedMLP`, layers 0-2 and MTP) or :class:`~memra.layers.moe.MoE`.
+    """
+
+    def __init__(self, attn: Attention, mlp: GatedMLP | MoE, attn_norm: RMSNorm, ffn_norm: RMSNorm):
         super().__init__()
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
-        return x + self.mlp(self.ffn_norm(x))
-
-    def forward_fused(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                      kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """GPU form of :meth:`forward` with the residual additions fused into the norms
-        (memra/kernels/norm_rope.py ``rms_norm(.., residual=)``): the input residual is
-        ``x + pending`` (``pending``: the previous layer's MLP output, not yet added; None for the
-        first layer). Returns (residual after attention, this layer's MLP output), so that the
-        layer's output is their sum, left to the next norm."""
-        from ..kernels.norm_rope import rms_norm
-
-        if pending is None:
-            h = self.attn_norm(x)
-        else:
-            h, x = rms_norm(pending, self.attn_norm.weight, self.attn_norm.eps, residual=x)
-        h2, x = rms_norm(self.attn(h, cos, sin, kv), self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
-        return x, self.mlp(h2)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.attn_norm.add(x, residual)   # x = x + pending;  h = rmsnorm(x)        [T, D]
+        o = self.attn(h, cos, sin, kv)                  # (attention(q, k, v) * sigmoid(g)) Wo      [T, D]
+        h2, residual = self.ffn_norm.add(o, residual)   # x = x + o;        h2 = rmsnorm(x)       [T, D]
+        return self.mlp(h2), residual                   # swiglu(h2) or sum_k w_k E_k(h2) + S(h2) [T, D]
 
 
 class MTPLayer(nn.Module):
@@ -291,22 +77,12 @@ class MTPLayer(nn.Module):
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv) -> torch.Tensor:
-        z = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self.layer(z, cos, sin, kv)
+        z = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [T, 2D] -> [T, D]
+        x, residual = self.layer(z, None, cos, sin, kv)
+        return x + residual
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_norm(z)).float()
-
-
-class _SelfContained:
-    """The KV 'cache' of a pass over a self-contained sequence: each layer attends over the keys
-    and values of this pass only (causal, windowed), at ``positions``. Used by the MTP draft."""
-
-    def __init__(self, positions: torch.Tensor):
-        self.positions = positions
-
-    def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
-        return attention(q, k, v, self.positions, self.positions, window, scale)
 
 
 @register_model("step35")
@@ -323,19 +99,6 @@ class Step35ForCausalLM(CausalLM):
         super().__init__(config, embed, layers, norm, lm_head)
         self.mtp = nn.ModuleList(mtp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False) -> torch.Tensor:
-        """As :meth:`CausalLM.forward`; on the GPU the residual additions are fused into the
-        RMSNorm kernels (:meth:`Step35Layer.forward_fused`)."""
-        if not getattr(self, "gpu", False):
-            return super().forward(input_ids, positions, kv, prenorm=prenorm)
-        from ..kernels.norm_rope import rms_norm
-
-        x, pending = self.embed(input_ids), None
-        for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
-            x, pending = layer.forward_fused(x, pending, cos, sin, kv)
-        y, x = rms_norm(pending, self.norm.weight, self.norm.eps, residual=x)
-        return x if prenorm else y
-
     # ------------------------------------------------------------------ routing statistics
     def routing_stats(self) -> dict[int, torch.Tensor]:
         """Tokens routed to each expert in the last forward: {layer index: int64 [num_experts]}
@@ -350,7 +113,7 @@ class Step35ForCausalLM(CausalLM):
         Row r pairs h_prev[r] with the embedding of tokens[r]; attention is causal over the T rows."""
         lc = self.config.mtp_layers[j]
         cos, sin = rope_cos_sin(lc, positions, h_prev.dtype)
-        return self.mtp[j](h_prev, self.embed(tokens), cos, sin, _SelfContained(positions))
+        return self.mtp[j](h_prev, self.embed(tokens), cos, sin, SelfContainedKV(positions))
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, token: int | torch.Tensor, k: int, positions: torch.Tensor | None = None,
@@ -494,20 +257,21 @@ class Step35ForCausalLM(CausalLM):
         return model if device is None else model.to_gpu(device, dtype)
 
 
-def _load_attention(w: HFWeights, i: int, index: int, lc: LayerConfig) -> GatedAttention:
+def _load_attention(w: HFWeights, i: int, index: int, lc: LayerConfig) -> Attention:
     c, D, p = w.config, w.config.hidden_size, f"model.layers.{i}.self_attn."
     H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
     why = (f"layer {i} ({lc.attention}): heads={H}, kv_heads={KV}, head_dim={Dh}, hidden_size={D}")
     qkvg = w.linear([p + "q_proj", p + "k_proj", p + "v_proj", p + "g_proj"], [H * Dh, KV * Dh, KV * Dh, H], D, why)
     o = w.linear([p + "o_proj"], [D], H * Dh, why)
     scale = c.attn_scale if c.attn_scale is not None else Dh ** -0.5
-    return GatedAttention(index, lc, qkvg, o, w.norm(p + "q_norm", Dh, why), w.norm(p + "k_norm", Dh, why), scale)
+    return Attention(index, lc, qkvg, o, scale, w.norm(p + "q_norm", Dh, why), w.norm(p + "k_norm", Dh, why),
+                     gated=True)
 
 
-def _load_swiglu(w: HFWeights, p: str, inter: int, limit: float | None, why: str) -> SwiGLU:
+def _load_swiglu(w: HFWeights, p: str, inter: int, limit: float | None, why: str) -> GatedMLP:
     D = w.config.hidden_size
     gate_up = w.linear([p + "gate_proj", p + "up_proj"], [inter, inter], D, why)
-    return SwiGLU(gate_up, w.linear([p + "down_proj"], [D], inter, why), limit)
+    return GatedMLP(gate_up, w.linear([p + "down_proj"], [D], inter, why), "silu", limit)
 
 
 def _load_experts(w: HFWeights, i: int, lc: LayerConfig) -> RoutedExperts:

@@ -1,0 +1,163 @@
+"""The mixture-of-experts layer: sigmoid router, top-k routed SwiGLU experts, unscaled shared expert.
+
+Math (STEP35.md "router", "SwiGLU clamp", "combine")::
+
+    s = sigmoid(h Wr^T)                 fp32 [T, E]
+    chosen = top-k of s + bias          the bias only chooses
+    w = s[chosen] / sum(s[chosen]) * routed_scaling_factor
+    y = sum_j w_j E_{chosen_j}(h) + S(h)     E_e(h) = down_e(swiglu(gate_e h, up_e h, limit))
+
+How it runs is chosen here, per call:
+
+- CPU (reference): router logits by torch in fp32 and memra/kernels/fused.py ``router_topk_ref``;
+  a loop over the experts chosen at least once, each one's dense weights used once on all its
+  tokens; the shared expert added after (exact in fp32).
+- GPU: router logits by cuBLAS + the fused top-k kernel (memra/kernels/moe_decode.py
+  ``moe_route``); routed experts kept packed in their checkpoint format as expert banks and run
+  by the decode kernel (memra/kernels/moe_decode.py, each chosen expert read once per step) for
+  T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMM of
+  memra/kernels/moe_prefill.py above; the routed sum accumulates onto the shared expert's output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import moe_decode as decode_kernels
+from ..kernels import moe_prefill as prefill_kernels
+from ..kernels.fused import router_topk_ref, swiglu_torch
+from ..kernels.moe_decode import fuse_gate_up, moe_route, pack_expert_bank
+from .activations import GatedMLP
+from .device import KernelLayer
+
+__all__ = ["MOE_DECODE_MAX_T", "MoE", "RoutedExperts"]
+
+MOE_DECODE_MAX_T = 64  # GPU: up to this many tokens through moe_decode, more through moe_prefill
+
+
+class RoutedExperts(KernelLayer):
+    """``E`` SwiGLU experts applied to the tokens routed to them.
+
+    Args:
+        gate, up: per-expert weights [I, D] (lists of E packed tensors) or one stacked
+            packed tensor [E, I, D] (QTensor or FP8BlockTensor); down likewise [E, D, I].
+        limit: SwiGLU clamp of this layer's routed experts (None: none).
+        dtype: compute dtype; the CPU path keeps dense copies ``w_gate_up`` [E, 2I, D] and
+            ``w_down`` [E, D, I] next to the packed ``qweights``.
+
+    forward(x [T, D], index int64 [T, k], weight fp32 [T, k], add [T, D] or None) -> [T, D]
+    (+ ``add``). CPU: ``tokens_per_expert`` (int64 [E]) holds the counts of the last call; the
+    GPU paths keep none (they would cost two launches per layer per step).
+    """
+
+    def __init__(self, gate, up, down, limit: float | None, dtype: torch.dtype):
+        super().__init__()
+        self.qweights = (gate, up, down)
+        self.limit = limit
+
+        first = gate[0] if isinstance(gate, list) else gate
+        if (first.codes if hasattr(first, "codes") else first.data).device.type == "cuda":
+            self.to_gpu(None)  # weights already in GPU memory become expert banks in place, never dense
+            return
+
+        def dense(w) -> torch.Tensor:
+            return torch.stack([p.dequantize(dtype) for p in w]) if isinstance(w, list) else w.dequantize(dtype)
+
+        self.register_buffer("w_gate_up", torch.cat([dense(gate), dense(up)], dim=1), persistent=False)
+        self.register_buffer("w_down", dense(down), persistent=False)
+        self.num_experts = self.w_down.shape[0]
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def to_gpu(self, device: torch.device | str | None, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Move the experts to a CUDA ``device`` (None: where they are) in place, kept in their
+        checkpoint format as expert banks (memra/kernels/moe_decode.py: gate and up fused and
+        row-interleaved); the dense host copies are dropped. ``dtype`` is the activations'
+        (the banks keep their format)."""
+        gate, up, down = self.qweights
+        self.qweights = ()
+        gu = fuse_gate_up(pack_expert_bank(gate, "gate"), pack_expert_bank(up, "up"))
+        del gate, up
+        self.gate_up_bank = gu if device is None else gu.to(device)
+        dn = pack_expert_bank(down, "down")
+        self.down_bank = dn if device is None else dn.to(device)
+        self.num_experts = self.down_bank.e
+        self.tokens_per_expert = None
+        for name in ("w_gate_up", "w_down"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.kernels = True
+
+    @classmethod
+    def from_banks(cls, gate_up, down, limit: float | None) -> RoutedExperts:
+        """GPU experts over already packed banks (``fuse_gate_up`` output [E, 2I, D] and
+        down [E, D, I], memra/kernels/moe_decode.py), e.g. synthetic full-size ones."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.qweights, self.limit = (), limit
+        self.gate_up_bank, self.down_bank = gate_up, down
+        self.num_experts = down.e
+        self.tokens_per_expert = None
+        self.kernels = True
+        return self
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kernels
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
+        if self.kernels:
+            if x.shape[0] <= MOE_DECODE_MAX_T:
+                return decode_kernels.moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
+                                                 add=add)
+            return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
+                                               add=add)
+        out = torch.zeros_like(x)
+        counts = torch.bincount(index.flatten(), minlength=self.num_experts)
+        self.tokens_per_expert = counts
+        for e in counts.nonzero().flatten().tolist():
+            rows, slot = (index == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.w_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(swiglu_torch(gate, up, self.limit), self.w_down[e])
+            # rows are distinct (top-k picks an expert at most once per token); indexed += rather than
+            # index_add_, which on CPU enters an OpenMP region even for a few rows (ms per call under load)
+            out[rows] += y * weight[rows, slot, None].to(y.dtype)
+        return out if add is None else out + add
+
+
+class MoE(KernelLayer):
+    """Sigmoid-routed top-k experts plus an unscaled shared expert (module docstring).
+
+    Args:
+        router: fp32 [E, D]; bias: fp32 [E] or None (used only to choose the top-k).
+        experts: :class:`RoutedExperts`; shared: :class:`~memra.layers.activations.GatedMLP` or None.
+        top_k: experts per token; scaling: ``moe_router_scaling_factor`` (routed only).
+    forward(h2 [T, D]) -> [T, D].
+    """
+
+    def __init__(self, router: torch.Tensor, bias: torch.Tensor | None, experts: RoutedExperts,
+                 shared: GatedMLP | None, top_k: int, scaling: float):
+        super().__init__()
+        self.register_buffer("router", router.float(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+        self.experts, self.shared, self.top_k, self.scaling = experts, shared, top_k, scaling
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chosen experts int64 [T, k] and their weights fp32 [T, k] (sum to ``scaling`` per token)."""
+        if self.kernels:
+            return moe_route(h, self.router, self.bias, self.top_k, self.scaling)
+        return router_topk_ref(h.float() @ self.router.t(), self.bias, self.top_k, self.scaling)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        index, weight = self.route(h)
+        if self.kernels:  # the routed experts accumulate onto the shared expert's output
+            return self.experts(h, index, weight, None if self.shared is None else self.shared(h))
+        y = self.experts(h, index, weight)
+        return y if self.shared is None else y + self.shared(h)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        return self.experts.tokens_per_expert
