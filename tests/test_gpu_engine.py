@@ -467,3 +467,23 @@ def test_graph_runner_fills_static_inputs_padded_to_the_bucket():
         r.prepare([1] * 9, [0] * 9, [[[0]] * len(groups)] * 9)
     with pytest.raises(ValueError, match="captured width"):
         r.prepare([1], [0], [[[0] * 6] * len(groups)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
+def test_decode_bench_weight_accounting_walks_the_gpu_model():
+    """memra bench decode's per-part byte count reads the layers' attributes (it broke silently on the
+    GPU once when a layer attribute was renamed): every part of the moved tiny model is counted,
+    and the parts add up to the packed bytes of its Linear layers, expert banks, router and table."""
+    from memra.bench.decode import _weight_bytes
+    from memra.layers.linear import Linear
+
+    model = build_model(_SMALL, seed=3, expert_format="nvfp4").to_gpu("cpu", torch.float32)
+    w = _weight_bytes(model)
+    assert all(w[k] > 0 for k in ("attention", "dense_mlp", "shared_experts", "routed_experts", "router",
+                                  "lm_head", "embed", "norms")), w
+    linear = sum(m.packed_weight.nbytes for m in model.modules() if isinstance(m, Linear)) - sum(
+        m.packed_weight.nbytes for mtp in model.mtp for m in mtp.modules() if isinstance(m, Linear))
+    banks = sum(layer.mlp.experts.gate_up_bank.nbytes + layer.mlp.experts.down_bank.nbytes
+                for layer in model.layers if hasattr(layer.mlp, "experts"))
+    assert w["attention"] + w["dense_mlp"] + w["shared_experts"] + w["lm_head"] == linear
+    assert w["routed_experts"] == banks

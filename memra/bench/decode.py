@@ -60,7 +60,7 @@ def _weight_bytes(model) -> dict[str, int]:
 
     for layer in model.layers:
         a = layer.attn
-        out["attention"] += lin(a.qkvg) + lin(a.o)
+        out["attention"] += lin(a.qkv) + lin(a.o)
         out["norms"] += 4 * (a.q_norm.weight.numel() + a.k_norm.weight.numel() + 2 * model.config.hidden_size)
         mlp = layer.mlp
         if isinstance(mlp, MoE):
