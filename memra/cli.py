@@ -186,7 +186,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
     return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                       max_queue=a.max_queue, log_level=a.log_level, max_body_bytes=a.max_request_body,
-                      chat_template_timeout_s=a.chat_template_timeout)
+                      chat_template_timeout_s=a.chat_template_timeout, tool_call_parser=a.tool_call_parser,
+                      reasoning_parser=a.reasoning_parser)
 
 
 def _inspect_config_only(a: argparse.Namespace) -> int:
@@ -344,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template-timeout", type=float, default=1.0,
                     help="seconds one chat-template render may take (a separate bounded process renders it; "
                          "past it the request gets 400)")
+    sv.add_argument("--tool-call-parser", default="auto", choices=["auto", "step3p5", "hermes", "none"],
+                    help="how tool calls in the output are parsed into message.tool_calls (and forced by "
+                         "tool_choice): auto = the format the chat template speaks")
+    sv.add_argument("--reasoning-parser", default="auto", choices=["auto", "step3p5", "none"],
+                    help="split <think>...</think> into reasoning_content: auto = when the chat template "
+                         "speaks <think>")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn log level")
     sv.set_defaults(func=cmd_serve)

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.async_engine import QueueFullError
 from ..engine.engine import PromptTooLongError
 from ..engine.sampling import SamplingParams
+from .agents import ChatOutput
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatChoice,
@@ -67,6 +68,8 @@ from .protocol import (
     UsageInfo,
     random_id,
 )
+from .reasoning import REASONING_PARSERS, detect_reasoning_parser, prompt_opens_reasoning
+from .tool_parsers import TOOL_PARSERS, detect_tool_parser
 
 __all__ = ["create_app", "APIError", "parse_size", "check_api_key", "run_server"]
 
@@ -537,7 +540,8 @@ def _lp(x: float | None) -> float | None:
 class _Server:
     """State behind the routes: engine, tokenizer, names, metrics."""
 
-    def __init__(self, engine, served_model_name: str | None, disconnect_poll_s: float, template_timeout_s: float):
+    def __init__(self, engine, served_model_name: str | None, disconnect_poll_s: float, template_timeout_s: float,
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         from ..io.chat_template import RenderLimits
 
         self.engine = engine
@@ -560,8 +564,21 @@ class _Server:
             timeout_s=template_timeout_s,
             max_output_chars=max(1 << 16, max(64, self.max_token_chars) * self.max_model_len + 1))
         self._token_text: dict[int, str] = {}
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_call_parser = resolve_parser("--tool-call-parser", tool_call_parser, TOOL_PARSERS,
+                                               detect_tool_parser(template))
+        self.reasoning_parser = resolve_parser("--reasoning-parser", reasoning_parser, REASONING_PARSERS,
+                                               detect_reasoning_parser(template))
 
     # ------------------------------------------------------------ helpers
+    def chat_output(self, body: ChatCompletionRequest, prompt_text: str) -> ChatOutput:
+        """A fresh output pipeline for one choice of ``body`` (memra/server/agents.py): tool calls
+        are parsed when the request offers tools and does not say ``tool_choice: none``."""
+        mode, _ = body.tool_mode()
+        parser = self.tool_call_parser if mode != "none" else None
+        return ChatOutput(parser, body.tools, self.reasoning_parser,
+                          seeded=self.reasoning_parser is not None and prompt_opens_reasoning(prompt_text))
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -756,7 +773,8 @@ class _Server:
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                disconnect_poll_s: float = 0.2, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template_timeout_s: float = 1.0) -> FastAPI:
+               chat_template_timeout_s: float = 1.0, tool_call_parser: str = "auto",
+               reasoning_parser: str = "auto") -> FastAPI:
     """Build the FastAPI app serving ``engine``.
 
     Args:
@@ -770,14 +788,20 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         chat_template_timeout_s: wall-time bound of one chat-template render (its output is
             bounded at the longest token's characters (at least 64) per token of context, its
             memory at 1 GiB).
+        tool_call_parser: ``auto`` (the format the chat template speaks), ``step3p5``, ``hermes``
+            or ``none`` (memra/server/tool_parsers.py).
+        reasoning_parser: ``auto`` (step3p5 when the template speaks ``<think>``), ``step3p5`` or
+            ``none`` (memra/server/reasoning.py).
 
     Raises:
-        ValueError: ``api_key`` is empty or not printable ASCII; ``max_body_bytes`` < 1.
+        ValueError: ``api_key`` is empty or not printable ASCII; ``max_body_bytes`` < 1; an
+            unknown parser name.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes} must be >= 1")
     api_key = check_api_key(api_key, "api_key")
-    srv = _Server(engine, served_model_name, disconnect_poll_s, chat_template_timeout_s)
+    srv = _Server(engine, served_model_name, disconnect_poll_s, chat_template_timeout_s, tool_call_parser,
+                  reasoning_parser)
     app = FastAPI(title="memra OpenAI-compatible server", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions served by memra.")
     app.state.server = srv
@@ -932,19 +956,37 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         request_id = random_id("chatcmpl")
         runs = await _start_or_abort(srv, [ids], params, request_id, None, request, "messages")
         if body.stream:
-            return _event_stream(_chat_stream(srv, runs[0], body, request_id))
+            return _event_stream(_chat_stream(srv, runs[0], body, request_id, text))
         try:
             results = await srv.collect(runs, request)
         except _ClientDisconnected:
             return Response(status_code=499)
         cs, _ = results[0]
-        choices = [ChatChoice(index=j, message=ChatResponseMessage(content="".join(c.text)),
-                              logprobs=srv.chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for j, c in enumerate(cs)]
+        choices = []
+        for j, c in enumerate(cs):
+            out = srv.chat_output(body, text)
+            out.feed("".join(c.text))
+            out.finish()
+            choices.append(ChatChoice(index=j, message=ChatResponseMessage(**out.message()),
+                                      logprobs=srv.chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                                      finish_reason=out.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=srv.model_name, choices=choices,
                                       usage=srv.usage(runs, sum(len(c.token_ids) for c in cs)))
 
     return app
+
+
+def resolve_parser(flag: str, value: str, known: dict, detected: str | None) -> str | None:
+    """``auto`` -> what the chat template speaks (``detected``), ``none`` -> None, else a known name.
+
+    Raises: ValueError naming the flag and the known values."""
+    if value == "auto":
+        return detected
+    if value == "none":
+        return None
+    if value not in known:
+        raise ValueError(f"{flag} {value!r}: expected auto, none or one of {', '.join(known)}")
+    return value
 
 
 async def _start_or_abort(srv: _Server, prompts, params, request_id, prompt_logprobs, request, prompt_param):
@@ -1010,9 +1052,11 @@ async def _completion_stream(srv: _Server, runs: list[_Run], body: CompletionReq
         await _close_all(runs, error)
 
 
-async def _chat_stream(srv: _Server, run: _Run, body: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
-    """SSE ``chat.completion.chunk``s: a role chunk per choice, content deltas, a final chunk
-    with ``finish_reason`` per choice, the usage chunk if asked, then ``[DONE]``."""
+async def _chat_stream(srv: _Server, run: _Run, body: ChatCompletionRequest, request_id: str,
+                       prompt_text: str) -> AsyncIterator[str]:
+    """SSE ``chat.completion.chunk``s: a role chunk per choice, then its ``reasoning_content``,
+    ``content`` and ``tool_calls`` deltas (memra/server/agents.py: each call once, whole), a final
+    chunk with ``finish_reason`` per choice, the usage chunk if asked, then ``[DONE]``."""
     created = int(time.time())
     completion_tokens = 0
     error = False
@@ -1026,6 +1070,7 @@ async def _chat_stream(srv: _Server, run: _Run, body: ChatCompletionRequest, req
             obj["usage"] = None
         return _sse(obj)
 
+    outs = [srv.chat_output(body, prompt_text) for _ in range(run.params.n)]
     try:
         for j in range(run.params.n):
             yield chunk(j, {"role": "assistant", "content": ""})
@@ -1035,10 +1080,16 @@ async def _chat_stream(srv: _Server, run: _Run, body: ChatCompletionRequest, req
                 lp = None
                 if run.params.logprobs is not None and d.logprobs:
                     lp = srv.chat_logprobs(d.logprobs).model_dump()
-                if d.text or lp is not None:
-                    yield chunk(d.index, {"content": d.text}, lp)
+                out = outs[d.index]
+                parts = out.feed(d.text) if d.text else []
                 if d.finish_reason is not None:
-                    yield chunk(d.index, {}, None, d.finish_reason, d.stop_reason)
+                    parts += out.finish()
+                if lp is not None and not parts:
+                    parts = [{"content": ""}]
+                for k, part in enumerate(parts):  # logprobs ride on the first delta of the step
+                    yield chunk(d.index, part, lp if k == 0 else None)
+                if d.finish_reason is not None:
+                    yield chunk(d.index, {}, None, out.finish_reason(d.finish_reason), d.stop_reason)
         if body.include_usage:
             yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                         "model": srv.model_name, "system_fingerprint": None, "choices": [],
@@ -1082,7 +1133,8 @@ def parse_size(text: str) -> int:
 def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_queue: int | None = None,
                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template_timeout_s: float = 1.0) -> int:
+               chat_template_timeout_s: float = 1.0, tool_call_parser: str = "auto",
+               reasoning_parser: str = "auto") -> int:
     """Load the model, start the engine and serve until interrupted (``memra serve``).
 
     Args:
@@ -1091,7 +1143,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         api_key: bearer key required on every route but /health and /metrics (None: none).
         served_model_name: the name clients send as ``model`` (default: the model key).
         max_queue: most unfinished requests in the engine; more get 429 (None: unbounded).
-        max_body_bytes, chat_template_timeout_s: as :func:`create_app`.
+        max_body_bytes, chat_template_timeout_s, tool_call_parser, reasoning_parser: as :func:`create_app`.
 
     Returns:
         0 after a clean shutdown.
@@ -1114,7 +1166,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
         raise ValueError(f"--chat-template-timeout {chat_template_timeout_s} must be > 0 seconds")
     engine = AsyncLLMEngine(LLMEngine(engine_config, progress=True), max_queue=max_queue)
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     chat_template_timeout_s=chat_template_timeout_s)
+                     chat_template_timeout_s=chat_template_timeout_s, tool_call_parser=tool_call_parser,
+                     reasoning_parser=reasoning_parser)
     check_chat_template(app.state.server)
     name = app.state.server.model_name
     engine.start()

@@ -11,9 +11,8 @@ Validation policy (DESIGN.md, "nothing silently clamped"):
 * known fields are type-checked strictly (``"max_tokens": "5"`` or ``"n": 1.5`` are
   errors, not coerced) and range-checked; NaN/inf are rejected;
 * explicit ``null`` means "the default" for optional fields, as in vLLM;
-* features we cannot honour (``logit_bias``, ``suffix``, ``best_of != n``, structured
-  ``response_format``, forced ``tool_choice``) are rejected with an error naming the
-  field rather than ignored.
+* features we cannot honour (``suffix``, ``best_of != n``) are rejected with an error naming
+  the field rather than ignored.
 
 Every validation failure raises :class:`ProtocolError` (or pydantic's
 ``ValidationError``); the app turns both into an OpenAI-style 400 naming the parameter.
@@ -290,17 +289,50 @@ class ChatCompletionRequest(_SamplingFields):
         """Messages as dicts for the chat template (see :meth:`ChatMessage.template_dict`)."""
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(``auto`` | ``none`` | ``required`` | ``named``, the named function or None), checked
+        against ``tools`` (OpenAI: a named or required choice needs tools, the name one of them).
+
+        Raises:
+            ProtocolError: a malformed tool or tool_choice, naming which.
+        """
+        names = []
+        for i, t in enumerate(self.tools or []):
+            f = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict) \
+                    or not isinstance(f.get("name"), str) or not f["name"]:
+                raise ProtocolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
+                                    f"'parameters': object}}}}", f"tools[{i}]")
+            if "parameters" in f and not isinstance(f["parameters"], dict):
+                raise ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object",
+                                    f"tools[{i}].function.parameters")
+            names.append(f["name"])
+        c = self.tool_choice
+        if c is None:
+            return ("auto" if names else "none"), None
+        if isinstance(c, str):
+            if c not in ("auto", "none", "required"):
+                raise ProtocolError(f"tool_choice {c!r} must be 'auto', 'none', 'required' or "
+                                    f"{{'type': 'function', 'function': {{'name': ...}}}}", "tool_choice")
+            if c == "required" and not names:
+                raise ProtocolError("tool_choice 'required' needs at least one tool in tools", "tool_choice")
+            return c, None
+        f = c.get("function")
+        if c.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ProtocolError("tool_choice must be a string or {'type': 'function', 'function': {'name': ...}}",
+                                "tool_choice")
+        if f["name"] not in names:
+            raise ProtocolError(f"tool_choice names function {f['name']!r}, which is not in tools "
+                                f"({', '.join(map(repr, names)) or 'none given'})", "tool_choice")
+        return "named", f["name"]
+
     def template_kwargs(self) -> dict[str, Any]:
         """Extra chat-template variables: ``tools`` and ``chat_template_kwargs``.
 
         Raises:
-            ProtocolError: ``tool_choice`` forces a call (not supported: output is not parsed
-            for tool calls), or ``response_format`` asks for structured output.
+            ProtocolError: a malformed ``tools`` / ``tool_choice``, or reserved template variables.
         """
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ProtocolError("only tool_choice 'auto' or 'none' is supported", "tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ProtocolError("response_format other than {'type': 'text'} is not supported", "response_format")
+        self.tool_mode()
         kw = dict(self.chat_template_kwargs or {})
         for reserved in ("messages", "add_generation_prompt", "tools", "chat_template"):
             if reserved in kw:
@@ -441,10 +473,14 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: ``content`` (text outside tool calls; null when there is only
+    calls), ``tool_calls`` (OpenAI shape, ``arguments`` a JSON string) and, with a reasoning
+    parser, ``reasoning_content`` (the ``<think>`` block)."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
