@@ -38,7 +38,7 @@ class StepLogits:
 def _gpu_greedy(req: Request) -> bool:
     p = req.params
     return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and p.logprobs is None and not p.logit_bias and p.min_tokens == 0)
+            and p.logprobs is None and not p.logit_bias and p.min_tokens == 0 and p.structured is None)
 
 
 class ModelRunner:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ class SamplingParams:
             are not matched (vLLM's ``min_tokens``).
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before
             penalties and sampling (OpenAI's ``logit_bias``; -100 effectively bans a token).
+        structured: a compiled :class:`memra.engine.structured.Grammar` the output must follow
+            (JSON schema, tool-call format, regex, ...): each step's logits are masked to the
+            tokens it allows; None: free text. Not combinable with ``ignore_eos`` or ``min_tokens``
+            (the grammar decides where the output ends).
 
     Raises:
         ValueError: on construction, naming the parameter that is out of range.
@@ -68,6 +73,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +103,12 @@ class SamplingParams:
                 isinstance(k, int) and not isinstance(k, bool) and k >= 0 and _finite(v) and -100 <= v <= 100
                 for k, v in self.logit_bias.items()), "a map of token ids >= 0 to numbers in [-100, 100]"),
         ]
+        if self.structured is not None:
+            checks += [
+                ("structured", hasattr(self.structured, "matcher"), "a compiled grammar (memra.engine.structured)"),
+                ("ignore_eos", not self.ignore_eos, "false with structured output (the grammar ends the output)"),
+                ("min_tokens", self.min_tokens == 0, "0 with structured output (the grammar ends the output)"),
+            ]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be {want}")
@@ -157,6 +169,7 @@ class Sampler:
         if prompt_ids:
             self.seen[torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.matcher = params.structured.matcher() if params.structured is not None else None
 
     def take(self, token: int, logit: float) -> SampleResult:
         """Record ``token`` chosen on the device as the argmax (greedy, no penalties, no
@@ -184,6 +197,8 @@ class Sampler:
             x = x + self.bias
         if self.generated < p.min_tokens and self.end_ids.numel():
             x = x.index_fill(0, self.end_ids, float("-inf"))
+        if self.matcher is not None:  # structured output: only what the grammar allows
+            x = x.masked_fill(~self.matcher.allowed(), float("-inf"))
         if p.repetition_penalty != 1.0:
             seen = self.seen | (self.counts > 0)
             x = torch.where(seen & (x > 0), x / p.repetition_penalty, torch.where(seen, x * p.repetition_penalty, x))
@@ -215,6 +230,8 @@ class Sampler:
                 probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
         result.token = token
+        if self.matcher is not None:
+            self.matcher.advance(token)
         if p.logprobs is not None:
             result.logprob = float(raw_lp[token])
             if p.logprobs > 0:

@@ -22,6 +22,7 @@ poll ``request.is_disconnected()`` while waiting for the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -42,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.async_engine import QueueFullError
 from ..engine.engine import PromptTooLongError
 from ..engine.sampling import SamplingParams
+from ..engine.structured import GrammarBackend, GrammarError
 from .agents import ChatOutput
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -66,10 +68,11 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
+    _param_of,
     random_id,
 )
 from .reasoning import REASONING_PARSERS, detect_reasoning_parser, prompt_opens_reasoning
-from .tool_parsers import TOOL_PARSERS, detect_tool_parser
+from .tool_parsers import TOOL_PARSERS, detect_tool_parser, tool_call_grammar
 
 __all__ = ["create_app", "APIError", "parse_size", "check_api_key", "run_server"]
 
@@ -569,6 +572,51 @@ class _Server:
                                                detect_tool_parser(template))
         self.reasoning_parser = resolve_parser("--reasoning-parser", reasoning_parser, REASONING_PARSERS,
                                                detect_reasoning_parser(template))
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, llm.eos_ids)
+
+    async def constrain(self, params: SamplingParams, body) -> SamplingParams:
+        """``params`` with the grammar the request asks for (``response_format``,
+        ``structured_outputs``, or a forced ``tool_choice`` in the model's call format), compiled
+        in a worker thread: the engine's step loop never waits for a compile.
+
+        Raises: APIError 400 naming the field for a schema or grammar that cannot be compiled
+        (an unsupported JSON-schema feature included) or a combination that cannot be honoured."""
+        asked = body.structured_request()
+        if isinstance(body, ChatCompletionRequest):
+            mode, name = body.tool_mode()
+            if mode in ("required", "named"):
+                if asked is not None:
+                    raise ProtocolError(f"tool_choice {body.tool_choice!r} cannot be combined with "
+                                        f"{asked[2].split('.')[0]}", "tool_choice")
+                if self.tool_call_parser is None:
+                    raise ProtocolError(f"tool_choice {body.tool_choice!r} needs a tool-call format: this model's "
+                                        f"chat template speaks none; start the server with --tool-call-parser "
+                                        f"step3p5 or hermes", "tool_choice")
+                asked = ("tool", name, "tool_choice")
+        if asked is None:
+            return params
+        kind, spec, param = asked
+        g = self.grammars
+
+        def build():
+            if kind == "json":
+                return g.json_schema(spec, param)
+            if kind == "regex":
+                return g.regex(spec, param)
+            if kind == "choice":
+                return g.choice(spec, param)
+            if kind == "grammar":
+                return g.lark(spec, param)
+            return g.lark(tool_call_grammar(self.tool_call_parser, body.tools, spec, g.literal), param)
+
+        try:
+            grammar = await _in_thread(build)
+        except (GrammarError, ValueError) as e:
+            raise APIError(400, str(e), param=param) from None
+        try:
+            return dataclasses.replace(params, structured=grammar)
+        except ValueError as e:  # a sampling parameter the grammar excludes: name it
+            raise APIError(400, str(e), param=_param_of(str(e)) or param) from None
 
     # ------------------------------------------------------------ helpers
     def chat_output(self, body: ChatCompletionRequest, prompt_text: str) -> ChatOutput:
@@ -902,7 +950,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         """OpenAI ``POST /v1/completions``. Choices are indexed prompt-major: prompt i's
         j-th completion has ``index = i * n + j``."""
         srv.check_model(body.model)
-        params = body.to_sampling_params()
+        params = await srv.constrain(body.to_sampling_params(), body)
         raw = body.prompts()
         prompts = [await srv.encode_prompt(p, i) for i, p in enumerate(raw)]
         echo = bool(body.echo)
@@ -952,7 +1000,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         ids = await _in_thread(srv.tokenizer.encode, text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the rendered conversation is empty", param="messages")
-        params = body.to_sampling_params(len(ids), srv.max_model_len)
+        params = await srv.constrain(body.to_sampling_params(len(ids), srv.max_model_len), body)
         request_id = random_id("chatcmpl")
         runs = await _start_or_abort(srv, [ids], params, request_id, None, request, "messages")
         if body.stream:

@@ -104,6 +104,51 @@ class _SamplingFields(_Request):
     min_tokens: StrictInt | None = Field(None, ge=0, description="generate at least this many tokens before "
                                                                  "EOS / stop_token_ids / stop strings (vLLM)")
     user: StrictStr | None = Field(None, description="ignored")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object'} or {'type': 'json_schema', 'json_schema': {'name': ..., "
+                          "'schema': {...}, 'strict': true}}: output that parses (grammar-constrained)")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's extension: exactly one of {'json': schema}, {'regex': str}, {'choice': [str]}, "
+                          "{'grammar': Lark grammar}")
+
+    def structured_request(self) -> tuple[str, Any, str] | None:
+        """What the output must follow: (kind, spec, the field that asked), kind one of ``json``
+        (spec a JSON schema), ``regex``, ``choice``, ``grammar`` (Lark); None for free text.
+
+        Raises:
+            ProtocolError: a malformed ``response_format`` / ``structured_outputs``, or both given.
+        """
+        out = None
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                out = ("json", {"type": "object"}, "response_format")
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                    raise ProtocolError("response_format json_schema must be {'name': str, 'schema': {...}, "
+                                        "'strict': bool}", "response_format.json_schema")
+                schema = js.get("schema") or {"type": "object"}
+                out = ("json", closed_objects(schema) if js.get("strict") else schema,
+                       "response_format.json_schema.schema")
+            elif kind != "text":
+                raise ProtocolError(f"response_format type {kind!r} must be 'text', 'json_object' or 'json_schema'",
+                                    "response_format.type")
+        so = self.structured_outputs
+        if so:
+            if out is not None:
+                raise ProtocolError("give response_format or structured_outputs, not both", "structured_outputs")
+            keys = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
+            if len(keys) != 1 or set(so) - {"json", "regex", "choice", "grammar"}:
+                raise ProtocolError("structured_outputs must hold exactly one of 'json', 'regex', 'choice', "
+                                    f"'grammar', got {sorted(so)}", "structured_outputs")
+            k = keys[0]
+            want = {"json": dict, "regex": str, "choice": list, "grammar": str}[k]
+            if not isinstance(so[k], want):
+                raise ProtocolError(f"structured_outputs.{k} must be a {want.__name__}", f"structured_outputs.{k}")
+            out = (k, so[k], f"structured_outputs.{k}")
+        return out
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}
@@ -150,6 +195,24 @@ class _SamplingFields(_Request):
             )
         except ValueError as e:  # "invalid sampling parameter NAME=...": name the parameter
             raise ProtocolError(str(e), _param_of(str(e))) from None
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say
+    otherwise: OpenAI's ``strict`` structured outputs allow exactly the declared properties."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not") else v
+           for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"])
+    if (is_object or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _param_of(message: str) -> str | None:
@@ -283,7 +346,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as dicts for the chat template (see :meth:`ChatMessage.template_dict`)."""

@@ -265,3 +265,58 @@ def parse_tool_calls(name: str, text: str, tools: list[dict] | None = None) -> t
     a, calls = p.feed(text)
     b, more = p.finish()
     return a + b, calls + more
+
+
+# --------------------------------------------------------------------------- forced calls
+def _lark_rule_name(prefix: str, i: int, j: int | None = None) -> str:
+    return f"{prefix}_{i}" if j is None else f"{prefix}_{i}_{j}"
+
+
+def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, literal) -> str:
+    """A Lark grammar (llguidance's dialect) of exactly one call in format ``fmt`` to the tool
+    ``name`` (None: any of ``tools``), its arguments valid under the tool's parameter schema:
+    what ``tool_choice: "required"`` or a named function enforces.
+
+    ``literal(text)`` returns the Lark expression of a markup tag (memra/engine/structured.py
+    ``GrammarBackend.literal``: the quoted text, or the vocabulary's token for it too).
+    step3p5 string parameters are one line without ``<`` (the grammar's approximation of "any
+    text up to ``</parameter>``"); every other type is JSON of the parameter's schema; required
+    parameters come first, in schema order, then the optional ones, each optional.
+
+    Raises: ValueError for an unknown format or a tool name that is not in ``tools``.
+    """
+    schemas = _tool_schemas(tools)
+    names = [name] if name is not None else list(schemas)
+    if not names or any(n not in schemas for n in names):
+        raise ValueError(f"tool_call_grammar: {name!r} is not among the tools {list(schemas)}")
+    if fmt == "hermes":
+        alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": schemas[n] or {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+        schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
+        return (f'start: {literal("<tool_call>")} "\\n" call "\\n" {literal("</tool_call>")}\n'
+                f"call: %json {json.dumps(schema)}\n")
+    if fmt != "step3p5":
+        raise ValueError(f"tool_call_grammar: unknown format {fmt!r} (known: {', '.join(TOOL_PARSERS)})")
+    rules = [f'start: {literal("<tool_call>")} "\\n" ({" | ".join(f"fn_{i}" for i in range(len(names)))}) '
+             f'{literal("</tool_call>")}']
+    for i, n in enumerate(names):
+        sch = schemas[n] or {}
+        props = sch.get("properties") or {}
+        required = [a for a in sch.get("required") or [] if a in props]
+        order = required + [a for a in props if a not in required]
+        parts = []
+        for j, arg in enumerate(order):
+            ps = props[arg] if isinstance(props[arg], dict) else {}
+            if _schema_types(ps) == {"string"} and "enum" in ps:
+                value = " | ".join(json.dumps(str(e)) for e in ps["enum"])
+            elif _schema_types(ps) == {"string"} or not _schema_types(ps):
+                rules.append(f"{_lark_rule_name('V', i, j)}: /[^<\\n]*/")
+                value = _lark_rule_name("V", i, j)
+            else:
+                rules.append(f"{_lark_rule_name('v', i, j)}: %json {json.dumps(ps)}")
+                value = _lark_rule_name("v", i, j)
+            rules.append(f'{_lark_rule_name("p", i, j)}: {json.dumps(f"<parameter={arg}>" + chr(10))} ({value}) '
+                         f'"\\n</parameter>\\n"')
+            parts.append(_lark_rule_name("p", i, j) + ("" if arg in required else "?"))
+        rules.append(f'fn_{i}: {json.dumps(f"<function={n}>" + chr(10))} {" ".join(parts)} "</function>\\n"')
+    return "\n".join(rules) + "\n"
