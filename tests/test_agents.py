@@ -64,6 +64,30 @@ def qwen():
     eng.shutdown()
 
 
+def test_json_object_is_valid_json(qwen):
+    """Any JSON object: every completion the model ends parses (one cut by max_tokens cannot: no
+    schema bounds a free object, so the count of those is asserted to stay the exception)."""
+    client, _ = qwen
+    ended = 0
+    for i, stream in enumerate((False, True, False, True)):
+        kw = dict(model="qwen2.5-coder-0.5b", max_tokens=400, temperature=0.5 * (i % 2), seed=3 + i,
+                  messages=[{"role": "user", "content": "Give a short JSON object about a cat: name and age."}],
+                  response_format={"type": "json_object"})
+        if stream:
+            text, finish = "", None
+            for ch in client.chat.completions.create(stream=True, **kw):
+                for c in ch.choices:
+                    text += c.delta.content or ""
+                    finish = c.finish_reason or finish
+        else:
+            c = client.chat.completions.create(**kw).choices[0]
+            text, finish = c.message.content, c.finish_reason
+        if finish == "stop":
+            ended += 1
+            assert isinstance(json.loads(text), dict), text
+    assert ended >= 3, f"{ended} of 4 json_object completions ended before max_tokens"
+
+
 def test_json_schema_output_validates_every_time(qwen):
     """20 requests (10 schemas x 2 temperatures) on qwen2.5-coder-0.5b: every one ends and validates.
     (A completion cut by max_tokens could not: the grammar cannot make a model end an unbounded
@@ -85,18 +109,8 @@ def test_json_schema_output_validates_every_time(qwen):
     assert finished == 20, f"only {finished} of 20 constrained completions ended before max_tokens"
 
 
-def test_json_object_and_vllm_structured_outputs(smol):
+def test_vllm_structured_outputs(smol):
     client, _ = smol
-    for stream in (False, True):
-        kw = dict(model="smollm2-135m", max_tokens=400, temperature=0.8, seed=3,
-                  messages=[{"role": "user", "content": "Describe a cat as JSON."}],
-                  response_format={"type": "json_object"})
-        if stream:
-            text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw)
-                           if ch.choices)
-        else:
-            text = client.chat.completions.create(**kw).choices[0].message.content
-        assert isinstance(json.loads(text), dict), text
     r = client.completions.create(model="smollm2-135m", prompt="Pick a colour:", max_tokens=10, temperature=1.0,
                                   extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
     assert r.choices[0].text in ("red", "green", "blue")
@@ -106,8 +120,8 @@ def test_json_object_and_vllm_structured_outputs(smol):
 
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r.choices[0].text), r.choices[0].text
     r = client.completions.create(model="smollm2-135m", prompt="JSON:", max_tokens=60, temperature=0,
-                                  response_format={"type": "json_schema", "json_schema": {
-                                      "name": "p", "schema": SCHEMAS[0]}})
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "p", "schema": SCHEMAS[0]}}})
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[0])
 
 
@@ -232,3 +246,16 @@ def test_constrained_step3p5_call_on_the_tiny_step_model(tmp_path):
         content, calls = parse_tool_calls("step3p5", text, tools)
         assert len(calls) == 1 and calls[0].name == "get_weather", text
         jsonschema.validate(json.loads(calls[0].arguments), tools[0]["function"]["parameters"])
+
+
+def test_structured_bench_runs(tmp_path, capsys):
+    """``memra bench structured`` measures both modes and writes its JSON (the numbers are the
+    note's, not asserted)."""
+    from memra.cli import main
+
+    out = tmp_path / "s.json"
+    assert main(["bench", "structured", "--tokens", "8", "--rounds", "1", "--json-out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["tok_s"]) == {"free", "json_schema", "json_object"} and all(v > 0 for v in res["tok_s"].values())
+    assert res["grammar_us_per_token"]["json_schema"] > 0
+    assert "| json_schema |" in capsys.readouterr().out
