@@ -236,7 +236,8 @@ def test_constrained_step3p5_call_on_the_tiny_step_model(tmp_path):
     g = with_vocabulary(load_geometry("tiny"), resolve_model("smollm2-135m", progress=False))
     path = write_synthetic(g, "gguf-q8_0", 0, tmp_path / "step.gguf")
     llm = LLM(path, max_model_len=256, max_num_seqs=2, kv_cache_blocks=40)
-    tools = [_tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"},
+    tools = [_tool("get_weather", {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                                   "days": {"type": "integer", "minimum": 1, "maximum": 14},
                                    "metric": {"type": "boolean"}}, ["city", "days", "metric"])]
     g = GrammarBackend(llm.tokenizer, llm.config.vocab_size, llm.eos_ids)
     grammar = g.lark(tool_call_grammar("step3p5", tools, "get_weather", g.literal))

@@ -280,7 +280,7 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, literal) ->
     ``literal(text)`` returns the Lark expression of a markup tag (memra/engine/structured.py
     ``GrammarBackend.literal``: the quoted text, or the vocabulary's token for it too).
     step3p5 string parameters are one line without ``<`` (the grammar's approximation of "any
-    text up to ``</parameter>``"); every other type is JSON of the parameter's schema; required
+    text up to ``</parameter>``"), of ``minLength`` to ``maxLength`` characters; every other type is JSON of the parameter's schema; required
     parameters come first, in schema order, then the optional ones, each optional.
 
     Raises: ValueError for an unknown format or a tool name that is not in ``tools``.
@@ -310,7 +310,9 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, literal) ->
             if _schema_types(ps) == {"string"} and "enum" in ps:
                 value = " | ".join(json.dumps(str(e)) for e in ps["enum"])
             elif _schema_types(ps) == {"string"} or not _schema_types(ps):
-                rules.append(f"{_lark_rule_name('V', i, j)}: /[^<\\n]*/")
+                lo, hi = int(ps.get("minLength", 0)), ps.get("maxLength")
+                reps = "*" if hi is None and lo == 0 else f"{{{lo},{'' if hi is None else int(hi)}}}"
+                rules.append(f"{_lark_rule_name('V', i, j)}: /[^<\\n]{reps}/")
                 value = _lark_rule_name("V", i, j)
             else:
                 rules.append(f"{_lark_rule_name('v', i, j)}: %json {json.dumps(ps)}")
