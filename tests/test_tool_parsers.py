@@ -170,3 +170,14 @@ def test_prompt_opens_reasoning():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<think>a</think> earlier turn <|im_start|>assistant\n")
     assert not prompt_opens_reasoning("plain")
+
+
+def test_multi_turn_tool_calls_reach_the_template_as_mappings():
+    from memra.server.protocol import ChatMessage
+
+    m = ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}])
+    d = m.template_dict(1)
+    assert d["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    t = ChatMessage(role="tool", content='{"temp": 3}', tool_call_id="call_1").template_dict(2)
+    assert t["tool_call_id"] == "call_1" and t["content"] == '{"temp": 3}'

@@ -20,6 +20,7 @@ Every validation failure raises :class:`ProtocolError` (or pydantic's
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -289,7 +290,8 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     """One chat message. ``content`` is a string, a list of text parts, or null (assistant
     messages with ``tool_calls``). Other keys (``name``, ``tool_calls``, ``tool_call_id``)
-    are passed to the chat template unchanged."""
+    are passed to the chat template, a tool call's JSON-string ``arguments`` as the mapping it
+    encodes (what templates iterate over)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -317,6 +319,15 @@ class ChatMessage(BaseModel):
                     raise ProtocolError(f"{where}.text must be a string", f"{where}.text")
                 texts.append(part["text"])
             d["content"] = "\n".join(texts)
+        for call in d.get("tool_calls") or []:  # templates expect arguments as a mapping (vLLM does this too)
+            f = call.get("function") if isinstance(call, dict) else None
+            if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+                try:
+                    args = json.loads(f["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(args, dict):
+                    call["function"] = {**f, "arguments": args}
         return d
 
 
