@@ -36,9 +36,11 @@ class StepLogits:
 
 
 def _gpu_greedy(req: Request) -> bool:
+    """Whether the argmax on the device is the request's whole sampling step (a grammar's mask is
+    applied on the device first, :meth:`ModelRunner._sample_rows`)."""
     p = req.params
     return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and p.logprobs is None and not p.logit_bias and p.min_tokens == 0 and p.structured is None)
+            and p.logprobs is None and not p.logit_bias and p.min_tokens == 0)
 
 
 class ModelRunner:
@@ -60,6 +62,12 @@ class ModelRunner:
             for r, req in enumerate(reqs):
                 out.sample[id(req)] = logits[r]
             return
+        constrained = [r for r, req in enumerate(reqs) if req.sampler.matcher is not None]
+        if constrained:  # grammar masks: computed per sequence on the host, applied in one device op
+            idx = torch.tensor(constrained, device=logits.device)
+            allowed = torch.stack([reqs[r].sampler.grammar_mask() for r in constrained]).to(logits.device)
+            logits = logits.clone()
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         fast = [r for r, req in enumerate(reqs) if _gpu_greedy(req)]
         if fast:
             idx = torch.tensor(fast, device=logits.device)

@@ -170,6 +170,14 @@ class Sampler:
             self.seen[torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
         self.matcher = params.structured.matcher() if params.structured is not None else None
+        self._mask_step = -1  # the step whose grammar mask was already applied (on the device)
+
+    def grammar_mask(self) -> torch.Tensor:
+        """bool [vocab_size]: what the grammar allows for the next token, for a caller that applies
+        it to the logits itself (the GPU runner, batched); :meth:`sample` / :meth:`take` of this
+        step then do not apply it again."""
+        self._mask_step = self.generated
+        return self.matcher.allowed()
 
     def take(self, token: int, logit: float) -> SampleResult:
         """Record ``token`` chosen on the device as the argmax (greedy, no penalties, no
@@ -181,6 +189,8 @@ class Sampler:
             raise ValueError(f"the model produced no finite logit (max {logit}): cannot sample")
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} is outside the vocabulary [0, {self.vocab_size})")
+        if self.matcher is not None:  # the device applied grammar_mask() before its argmax
+            self.matcher.advance(token)
         self.counts[token] += 1
         self.generated += 1
         return SampleResult(token)
@@ -197,7 +207,7 @@ class Sampler:
             x = x + self.bias
         if self.generated < p.min_tokens and self.end_ids.numel():
             x = x.index_fill(0, self.end_ids, float("-inf"))
-        if self.matcher is not None:  # structured output: only what the grammar allows
+        if self.matcher is not None and self._mask_step != self.generated:  # structured output
             x = x.masked_fill(~self.matcher.allowed(), float("-inf"))
         if p.repetition_penalty != 1.0:
             seen = self.seen | (self.counts > 0)
