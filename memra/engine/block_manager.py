@@ -370,6 +370,15 @@ class KVCacheManager:
                 if table[j] != NULL_BLOCK:
                     pool.register(table[j], req.block_hashes[j])
 
+    def trim(self, req) -> None:
+        """Release the blocks past what the request's tokens need (rejected drafts' blocks)."""
+        keep = -(-req.num_tokens // self.block_size)
+        for pool, table in zip(self.pools, req.block_tables):
+            while len(table) > keep:
+                b = table.pop()
+                if b != NULL_BLOCK:
+                    pool.release(b)
+
     def free(self, req) -> None:
         """Release every block the request holds (last blocks first, so prefixes stay cached longest)."""
         for pool, table in zip(self.pools, req.block_tables):

@@ -56,6 +56,10 @@ class EngineConfig:
             device's memory minus weights, activations and graphs (unless sized explicitly).
         gpu_memory_utilization: fraction of the GPU's memory memra may use in all (0 < f <= 1).
         enforce_eager: GPU: run every step eagerly (no CUDA graphs).
+        speculative_method: ``"ngram"`` to speculate (memra/engine/speculative.py), None not to.
+        num_speculative_tokens: most draft tokens per request per step (1..8).
+        speculative_max_batch: drafting steps aside while more requests than this are running
+            (verification then costs more than it saves).
     """
 
     model: str = "smollm2-135m"
@@ -70,6 +74,9 @@ class EngineConfig:
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_max_batch: int = 8
 
     def __post_init__(self):
         try:
@@ -85,6 +92,16 @@ class EngineConfig:
         if dev.type == "cpu" and dev.index not in (None, 0):
             raise ValueError(f"device={self.device!r}: the CPU device takes no index")
         self.device = str(dev)
+        if self.speculative_method is not None:
+            from .speculative import SPECULATIVE_METHODS
+
+            if self.speculative_method not in SPECULATIVE_METHODS:
+                raise ValueError(f"speculative_method={self.speculative_method!r}: supported: "
+                                 f"{', '.join(SPECULATIVE_METHODS)}")
+            if not (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 8):
+                raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be in 1..8")
+            if not (isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1):
+                raise ValueError(f"speculative_max_batch={self.speculative_max_batch!r} must be >= 1")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if self.dtype is None:
@@ -202,6 +219,13 @@ class LLMEngine:
                                    f"{graphs.pool_bytes / 2**20:.0f} MiB")
         self.graphs = graphs
         self.runner = ModelRunner(model, self.cache, graphs)
+        self.proposer = None
+        if cfg.speculative_method is not None:
+            from .speculative import make_proposer
+
+            self.proposer = make_proposer(cfg.speculative_method)
+        self.spec_drafted = [0] * cfg.num_speculative_tokens  # per draft position: proposed, accepted
+        self.spec_accepted = [0] * cfg.num_speculative_tokens
         self._parents: dict[str, _Parent] = {}
         self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
         self._num_aborted = 0
@@ -352,6 +376,17 @@ class LLMEngine:
         logits = self.runner.execute(batch.items)
         events: dict[str, RequestEvent] = {}
         for req, n in batch.items:
+            if id(req) in logits.verify:  # a decode with drafts: verified, then rolled back
+                if req.parent_id in self._parents:
+                    try:
+                        delta = self._verify(req, logits.verify[id(req)])
+                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                        events.pop(req.parent_id, None)
+                        self.abort_request(req.parent_id)
+                        self._failures.append((req.parent_id, e))
+                        continue
+                    self._event(events, req).deltas.append(delta)
+                continue
             start = req.num_computed_tokens
             self._num_prompt_computed += max(0, min(start + n, len(req.prompt_ids)) - start)
             req.num_computed_tokens += n
@@ -372,7 +407,63 @@ class LLMEngine:
             if all(c.status.finished for c in parent.children):
                 ev.finished = True
                 del self._parents[rid]
+        self._propose()
         return list(events.values())
+
+    # ----------------------------------------------------------------- speculation
+    def _propose(self) -> None:
+        """Give each decoding request its drafts for the next step (none while the batch is large,
+        for constrained requests, or where max_tokens / the context leave no room)."""
+        if self.proposer is None:
+            return
+        running = self.scheduler.running
+        cfg = self.engine_config
+        if len(running) > cfg.speculative_max_batch:
+            for req in running:
+                req.spec_tokens = []
+            return
+        for req in running:
+            req.spec_tokens = []
+            if req.num_tokens - req.num_computed_tokens != 1 or req.params.structured is not None:
+                continue
+            room = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+                       self.max_model_len - req.num_tokens)
+            if room > 0:
+                req.spec_tokens = self.proposer.propose(req.all_token_ids, room)[:room]
+
+    def _verify(self, req: Request, rows: torch.Tensor) -> CompletionDelta:
+        """Verify ``req``'s drafts against the target's logits ``rows`` [1 + k, vocab] (row j scored
+        the position after the last token and the first j drafts): accept in order
+        (:meth:`Sampler.speculate`), stop at the first rejection, the bonus token when all pass;
+        stop conditions apply token by token as in plain decode. Then roll the KV back past the last
+        accepted draft and register only verified blocks in the prefix cache."""
+        drafts, req.spec_tokens = req.spec_tokens[:rows.shape[0] - 1], []
+        req.num_computed_tokens += 1  # the last token's K/V are valid
+        texts, tokens, lps = [], [], [] if req.params.logprobs is not None else None
+        out = req.output
+        for j in range(rows.shape[0]):
+            if j < len(drafts):
+                r, accepted = req.sampler.speculate(rows[j], drafts[j])
+                self.spec_drafted[j] += 1
+                self.spec_accepted[j] += int(accepted)
+            else:
+                r, accepted = req.sampler.sample(rows[j]), False
+            self._num_generated += 1
+            texts.append(req.processor.add(r))
+            tokens.append(r.token)
+            if lps is not None:
+                lps.append((r.token, r.logprob, r.top or []))
+            if out.finish_reason is not None or not accepted:
+                break
+            req.num_computed_tokens += 1  # the accepted draft's K/V (computed at its position) are valid
+        delta = CompletionDelta(req.index, "".join(texts), tokens, lps, out.finish_reason, out.stop_reason)
+        if out.finish_reason is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED if out.finish_reason == "stop"
+                                  else RequestStatus.FINISHED_LENGTH)
+        else:
+            self.kv.trim(req)
+            self.kv.cache_computed(req)
+        return delta
 
     def _sample(self, req: Request, logits: torch.Tensor | None,
                 greedy: tuple[int, float] | None = None) -> CompletionDelta:

@@ -27,9 +27,12 @@ class StepLogits:
             without penalties or logprobs: only the token id crosses to the host).
         prompt: request -> (first prompt position p, logits [n, vocab]) predicting prompt
             tokens p+1 .. p+n (prompt logprobs).
+        verify: request -> logits [1 + k, vocab] of a decode with k drafts: row j after the
+            last token and the first j drafts.
     """
 
     def __init__(self):
+        self.verify: dict[int, torch.Tensor] = {}
         self.sample: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, tuple[int, float]] = {}
         self.prompt: dict[int, tuple[int, torch.Tensor]] = {}
@@ -88,7 +91,8 @@ class ModelRunner:
         """
         g = self.graphs
         if (g is not None and len(items) <= g.max_batch
-                and all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens for req, n in items)):
+                and all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens and not req.spec_tokens
+                        for req, n in items)):
             # (such a row never needs prompt-logprob rows: those end at len(prompt) - 1 <= its position)
             self.num_graph_steps += 1
             reqs = [req for req, _ in items]
@@ -101,7 +105,7 @@ class ModelRunner:
         ids, pos, chunks = [], [], []
         for req, n in items:
             s = req.num_computed_tokens
-            ids.extend(req.all_token_ids[s:s + n])
+            ids.extend((req.all_token_ids + req.spec_tokens)[s:s + n])  # drafts follow a decode's last token
             pos.extend(range(s, s + n))
             chunks.append(SeqChunk(s, n, req.block_tables))
         # the attention backend of a mixed step: the paged Triton kernels when the cache is on a GPU
@@ -118,7 +122,10 @@ class ModelRunner:
                 if first < last:
                     rows.extend(range(off + first - s, off + last - s))
                     owners.append(("prompt", req, first, last - first))
-            if s + n == req.num_tokens:
+            if req.spec_tokens and s + 1 == req.num_tokens:  # verify: every row
+                rows.extend(range(off, off + n))
+                owners.append(("verify", req, 0, n))
+            elif s + n == req.num_tokens:
                 rows.append(off + n - 1)
                 owners.append(("sample", req, 0, 1))
             off += n
@@ -129,6 +136,8 @@ class ModelRunner:
             for kind, req, first, k in owners:
                 if kind == "prompt":
                     out.prompt[id(req)] = (first, logits[r:r + k].cpu())
+                elif kind == "verify":
+                    out.verify[id(req)] = logits[r:r + k].cpu()
                 else:
                     sample_rows.append(r)
                     sample_reqs.append(req)

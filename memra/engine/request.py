@@ -93,6 +93,8 @@ class Request:
         num_cached_tokens: prompt tokens found in the prefix cache at first schedule.
         block_tables: one list of block ids per KV-cache group (see kv_cache.py); -1 marks
             a block freed because it fell out of a sliding window.
+        spec_tokens: drafts for the next step (memra/engine/speculative.py); never part of
+            ``all_token_ids`` until verified.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sampler: Sampler,
@@ -115,6 +117,7 @@ class Request:
         self.num_preemptions = 0
         self.parent_id = request_id
         self.leader: Request | None = None  # for sequences 1..n-1 of a request: sequence 0
+        self.spec_tokens: list[int] = []  # draft tokens to verify in the next step (speculative.py)
 
     @property
     def output_ids(self) -> list[int]:

@@ -195,13 +195,12 @@ class Sampler:
         self.generated += 1
         return SampleResult(token)
 
-    def sample(self, logits: torch.Tensor) -> SampleResult:
-        """Choose the next token from fp32 ``logits`` [vocab_size] and record it."""
+    def _distribution(self, logits: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
+        """The next token's distribution after every sampling parameter, in the plain sampler's
+        order: logit_bias, min_tokens, the grammar, penalties, then (temperature > 0) temperature,
+        top-k, top-p, min-p. Returns (the argmax, None) when greedy, else (None, probs float64 [V],
+        not renormalised after top-p / min-p)."""
         p = self.params
-        logits = logits.float()
-        result = SampleResult(-1)
-        if p.logprobs is not None:
-            raw_lp = torch.log_softmax(logits, dim=-1)
         x = logits  # every step below is out of place
         if self.bias is not None:
             x = x + self.bias
@@ -220,26 +219,66 @@ class Sampler:
         if not bool(torch.isfinite(top)):
             raise ValueError(f"the model produced no finite logit (max {float(top)}): cannot sample")
         if p.greedy:
-            token = int(torch.argmax(x))
+            return int(torch.argmax(x)), None
+        # shifting by the max first keeps a tiny temperature exact: the best token's logit is 0,
+        # every other one tends to -inf (its limit is greedy), never inf - inf = nan
+        # (in float64: a temperature below float32's range must not become a division by 0)
+        x = (x.double() - float(top)) / p.temperature
+        if p.top_k > 0 and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            before = torch.cumsum(sp, 0) - sp  # mass strictly above each token
+            drop = before >= p.top_p
+            drop[0] = False
+            probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return None, probs
+
+    def sample(self, logits: torch.Tensor) -> SampleResult:
+        """Choose the next token from fp32 ``logits`` [vocab_size] and record it."""
+        logits = logits.float()
+        greedy, probs = self._distribution(logits)
+        token = greedy if probs is None else int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._record(token, logits)
+
+    def speculate(self, logits: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> tuple[SampleResult, bool]:
+        """One verify position of speculative decoding (Leviathan et al. 2023; Chen et al. 2023):
+        the target's ``logits`` [V] at the position a proposer drafted ``draft`` for, with the
+        proposer's distribution ``q`` [V] (None: a deterministic proposer, q one-hot on the
+        draft). p is this sampler's distribution (:meth:`_distribution`: every parameter applied
+        exactly as :meth:`sample` applies it). The draft is accepted with probability
+        min(1, p[d] / q[d]); on rejection the token is drawn from max(0, p - q) normalised, so the
+        output is distributed as plain sampling. Greedy: accepted iff it is the argmax, else the
+        argmax. Records the chosen token; returns (it, whether it is the draft)."""
+        logits = logits.float()
+        greedy, probs = self._distribution(logits)
+        if probs is None:
+            return self._record(greedy, logits), greedy == draft
+        probs = probs / probs.sum()  # top-p / min-p leave it unnormalised (multinomial does not care)
+        qd = 1.0 if q is None else float(q[draft])
+        u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        if qd > 0 and u * qd < float(probs[draft]):
+            return self._record(draft, logits), True
+        if q is None:
+            residual = probs.clone()
+            residual[draft] = 0.0
         else:
-            # shifting by the max first keeps a tiny temperature exact: the best token's logit is 0,
-            # every other one tends to -inf (its limit is greedy), never inf - inf = nan
-            # (in float64: a temperature below float32's range must not become a division by 0)
-            x = (x.double() - float(top)) / p.temperature
-            if p.top_k > 0 and p.top_k < x.numel():
-                kth = torch.topk(x, p.top_k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            probs = torch.softmax(x, dim=-1)
-            if p.top_p < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                before = torch.cumsum(sp, 0) - sp  # mass strictly above each token
-                drop = before >= p.top_p
-                drop[0] = False
-                probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
-            if p.min_p > 0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        result.token = token
+            residual = (probs - q.double()).clamp_min(0.0)
+        if not float(residual.sum()) > 0:  # p <= q everywhere: p == q, so rejection had probability 0
+            residual = probs
+        token = int(torch.multinomial(residual, 1, generator=self.generator))
+        return self._record(token, logits), False
+
+    def _record(self, token: int, logits: torch.Tensor) -> SampleResult:
+        """Record the chosen ``token`` (counts, grammar, logprobs of the raw ``logits``)."""
+        p = self.params
+        result = SampleResult(token)
+        if p.logprobs is not None:
+            raw_lp = torch.log_softmax(logits, dim=-1)
         if self.matcher is not None:
             self.matcher.advance(token)
         if p.logprobs is not None:

@@ -4,7 +4,7 @@ Each engine step the scheduler picks, under a token budget (``max_num_batched_to
 and a sequence limit (``max_num_seqs``), what the model computes:
 
 1. one token for every running request that is decoding (decodes go first, so a long
-   prompt never stalls them);
+   prompt never stalls them), plus its draft tokens when it speculates (memra/engine/speculative.py);
 2. the next prefill chunk of every running request still prefilling;
 3. new (or preempted) requests from the waiting queue, first come first served, each
    starting at its longest cached prefix, prefilled in chunks of what budget is left.
@@ -89,6 +89,7 @@ class Scheduler:
                 del self.running[j]
                 self.kv.free(victim)
                 victim.status = RequestStatus.PREEMPTED
+                victim.spec_tokens = []
                 victim.num_preemptions += 1
                 self.waiting.appendleft(victim)
                 self.num_preemptions += 1
@@ -109,6 +110,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_tokens:  # a decode with drafts: its last token and the drafts the budget allows
+                req.spec_tokens = req.spec_tokens[:budget - 1]
+                n = 1 + len(req.spec_tokens)
             while not self.kv.allocate(req, n):
                 victim = self._preempt(scheduled)
                 if victim is None:
@@ -145,6 +149,9 @@ class Scheduler:
             items.append((req, n))
             scheduled.add(id(req))
             budget -= n
+        for req in list(self.running):  # drafts of a decode that got no room this step are dropped
+            if req.spec_tokens and id(req) not in scheduled:
+                req.spec_tokens = []
         # decodes first in the batch (the model runner relies on nothing else)
         items.sort(key=lambda it: it[1] != 1)
         return ScheduledBatch(items, preempted)

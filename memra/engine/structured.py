@@ -115,7 +115,8 @@ class GrammarBackend:
         """Exactly one of the strings ``options``."""
         if not options or not all(isinstance(o, str) for o in options):
             raise GrammarError(f"{what}: expected a non-empty list of strings")
-        return self.lark("start: " + " | ".join(json.dumps(o) for o in options), what)
+        # one lexeme (a terminal), not a rule of N alternatives: the parser's row limit is 2000 items
+        return self.lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(o) for o in options), what)
 
 
 INT_DIGITS = 16  # as llama.cpp's json-schema-to-grammar: a model cannot loop on one digit until max_tokens
@@ -129,11 +130,10 @@ def bounded_integers(schema: Any) -> Any:
         return [bounded_integers(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    # one walk: maps of subschemas (properties, $defs, ...) are recursed into like schemas (a map has
+    # no "type" of its own, so nothing is added to it)
     out = {k: bounded_integers(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
            else v for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {n: bounded_integers(sub) for n, sub in schema[key].items()}
     t = schema.get("type")
     if (t == "integer" or t == ["integer"]) and not any(k in schema for k in (
             "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):

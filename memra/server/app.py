@@ -611,8 +611,8 @@ class _Server:
 
         try:
             grammar = await _in_thread(build)
-        except (GrammarError, ValueError) as e:
-            raise APIError(400, str(e), param=param) from None
+        except (GrammarError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep schemas
+            raise APIError(400, str(e)[:2000], param="tools" if str(e).startswith("tools:") else param) from None
         try:
             return dataclasses.replace(params, structured=grammar)
         except ValueError as e:  # a sampling parameter the grammar excludes: name it

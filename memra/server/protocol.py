@@ -21,6 +21,7 @@ Every validation failure raises :class:`ProtocolError` (or pydantic's
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -37,6 +38,10 @@ __all__ = [
     "ChatCompletionResponse", "ModelCard", "ModelList", "TokenizeResponse", "DetokenizeResponse",
     "random_id", "MAX_N", "MAX_COMPLETION_LOGPROBS", "MAX_CHAT_TOP_LOGPROBS",
 ]
+
+#: What a tool's function name may be (OpenAI: ``^[a-zA-Z0-9_-]{1,64}$``; dots and colons too, as
+#: agents namespace tools with them); the call formats write names unescaped.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 #: Most completions per prompt (OpenAI documents n <= 128).
 MAX_N = 128
@@ -376,6 +381,9 @@ class ChatCompletionRequest(_SamplingFields):
                     or not isinstance(f.get("name"), str) or not f["name"]:
                 raise ProtocolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
                                     f"'parameters': object}}}}", f"tools[{i}]")
+            if not _FUNCTION_NAME.fullmatch(f["name"]):
+                raise ProtocolError(f"tools[{i}].function.name {f['name']!r} must be 1-64 letters, digits or "
+                                    f"'_', '-', '.', ':'", f"tools[{i}].function.name")
             if "parameters" in f and not isinstance(f["parameters"], dict):
                 raise ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object",
                                     f"tools[{i}].function.parameters")

@@ -39,6 +39,7 @@ sections); behaviour as vLLM's ``hermes`` / ``qwen3_coder`` parsers are expected
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class ToolParser:
         self.schemas = _tool_schemas(tools)
         self.buf = ""
         self.end: str | None = None  # the closing tag awaited, inside a call block
+        self.scanned = 0  # inside a block: buf[:scanned] holds no closing tag (linear streaming)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add completion text; returns (content that is certain, calls completed)."""
@@ -120,13 +122,17 @@ class ToolParser:
                     break
                 i, s = min(hits)
                 content.append(self.buf[:i])
-                self.buf, self.end = self.buf[i:], self.starts[s]
-            j = self.buf.find(self.end)
+                self.buf, self.end, self.scanned = self.buf[i:], self.starts[s], 0
+            j = self.buf.find(self.end, self.scanned)
             if j < 0:
+                self.scanned = max(0, len(self.buf) - len(self.end) + 1)
                 break
             block, self.buf = self.buf[:j + len(self.end)], self.buf[j + len(self.end):]
             self.end = None
-            parsed = self.parse_block(block)
+            try:
+                parsed = self.parse_block(block)
+            except Exception:  # noqa: BLE001 - e.g. RecursionError on absurdly nested JSON: text, never a 500
+                parsed = None
             if parsed is None:
                 content.append(block)  # malformed: kept as text
             else:
@@ -152,6 +158,8 @@ def _convert(value: str, schema: dict | None) -> Any:
         v = json.loads(value)
     except ValueError:
         return value
+    if isinstance(v, float) and not math.isfinite(v):
+        return value  # NaN / Infinity are not JSON
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
             type(None): "null"}[type(v)]
     if kind in types or (kind == "integer" and "number" in types):
@@ -196,6 +204,8 @@ class Step35ToolParser(ToolParser):
             return None  # text in the block outside any function: not a call we understand
         for m in _FUNCTION.finditer(body):
             name = m.group(1).strip()
+            if not name:
+                return None
             props = (self.schemas.get(name) or {}).get("properties") or {}
             inner = m.group(2)
             if _PARAMETER.sub("", inner).strip():
@@ -208,7 +218,7 @@ class Step35ToolParser(ToolParser):
                 if value.endswith("\n"):
                     value = value[:-1]
                 args[arg] = _convert(value, props.get(arg) if isinstance(props, dict) else None)
-            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False, allow_nan=False)))
         return calls or None
 
 
@@ -233,7 +243,9 @@ class HermesToolParser(ToolParser):
                 return None
         if not isinstance(args, dict):
             return None
-        return [ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))]
+        if not obj["name"]:
+            return None
+        return [ToolCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))]
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"step3p5": Step35ToolParser, "hermes": HermesToolParser}
@@ -285,10 +297,19 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, literal) ->
 
     Raises: ValueError for an unknown format or a tool name that is not in ``tools``.
     """
+    from ..engine.structured import bounded_integers
+
     schemas = _tool_schemas(tools)
     names = [name] if name is not None else list(schemas)
     if not names or any(n not in schemas for n in names):
         raise ValueError(f"tool_call_grammar: {name!r} is not among the tools {list(schemas)}")
+    try:
+        return _tool_call_grammar(fmt, names, {n: bounded_integers(schemas[n]) for n in names}, literal)
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise ValueError(f"tools: a parameters schema is not a JSON-schema object of properties ({e})") from None
+
+
+def _tool_call_grammar(fmt: str, names: list[str], schemas: dict[str, dict], literal) -> str:
     if fmt == "hermes":
         alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": schemas[n] or {"type": "object"}},
                  "required": ["name", "arguments"], "additionalProperties": False} for n in names]
@@ -302,11 +323,18 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, literal) ->
     for i, n in enumerate(names):
         sch = schemas[n] or {}
         props = sch.get("properties") or {}
-        required = [a for a in sch.get("required") or [] if a in props]
+        if not isinstance(props, dict):
+            raise ValueError(f"tools: {n}.parameters.properties must be an object")
+        bad = [a for a in props if not a or any(c in a for c in "<>\n")]
+        if bad:
+            raise ValueError(f"tools: parameter name {bad[0]!r} of {n!r} cannot be written in the step3p5 format")
+        required = [a for a in sch.get("required") or [] if isinstance(a, str) and a in props]
         order = required + [a for a in props if a not in required]
         parts = []
         for j, arg in enumerate(order):
             ps = props[arg] if isinstance(props[arg], dict) else {}
+            if "enum" in ps and (not isinstance(ps["enum"], list) or not ps["enum"]):
+                raise ValueError(f"tools: the enum of {n}.{arg} must be a non-empty list")
             if _schema_types(ps) == {"string"} and "enum" in ps:
                 value = " | ".join(json.dumps(str(e)) for e in ps["enum"])
             elif _schema_types(ps) == {"string"} or not _schema_types(ps):
