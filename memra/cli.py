@@ -26,6 +26,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (None: torch's default, one per core); on a busy machine 1 "
                         "avoids oversubscription")
+    p.add_argument("--speculative-method", default=None, choices=["ngram"],
+                   help="speculative decoding: ngram = prompt lookup (drafts verified in one pass, output "
+                        "distributed exactly as without)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="most draft tokens per step (1..8)")
+    p.add_argument("--speculative-max-batch", type=int, default=8,
+                   help="no drafting while more requests than this are running")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -74,7 +80,14 @@ def _load(a: argparse.Namespace):
     from .engine.llm import LLM
 
     return LLM(a.model, dtype=a.dtype, progress=True, device=a.device,
-               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+               **_speculative(a))
+
+
+def _speculative(a: argparse.Namespace) -> dict:
+    """The speculative-decoding EngineConfig fields of the command line."""
+    return dict(speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
+                speculative_max_batch=a.speculative_max_batch)
 
 
 def _finish_line(reason: str | None, stop, n_tokens: int, max_tokens: int, tokenizer) -> str:
@@ -183,7 +196,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                        kv_cache_blocks=a.kv_cache_blocks, kv_cache_memory=a.kv_cache_memory,
                        enable_prefix_caching=not a.no_prefix_caching, device=a.device,
-                       gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+                       gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+                       **_speculative(a))
     return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                       max_queue=a.max_queue, log_level=a.log_level, max_body_bytes=a.max_request_body,
                       chat_template_timeout_s=a.chat_template_timeout, tool_call_parser=a.tool_call_parser,
@@ -430,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_structured_args(bst)
     bst.set_defaults(func=lambda a: run_structured_bench(a) and 0)
+    bsp = bsub.add_parser("spec", help="speculative decoding vs plain decode on this machine: tok/s, acceptance "
+                          "per draft position, mean accepted length, exactness",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.spec import add_spec_args, run_spec_bench
+
+    add_spec_args(bsp)
+    bsp.set_defaults(func=lambda a: 0 if run_spec_bench(a)["greedy_identical"] else 1)
     bs = bsub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .bench.serve import add_serve_args

@@ -168,3 +168,27 @@ def test_speculative_sampling_is_lossless(params, use_q):
     if params == {"temperature": 1.0}:  # the test has the power to see a wrong rule
         wrong = _joint(_wrong_rule, params, L0, L1, drafts, q, 5000, 2)
         assert _chi2_pvalue(wrong.flatten(), exact.flatten()) < 1e-6
+
+
+def test_spec_bench_runs(tmp_path):
+    """``memra bench spec`` compares both modes in one run and says whether greedy stayed exact."""
+    import json
+
+    from memra.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--tokens", "8", "--rounds", "1", "--json-out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["greedy_identical"] and res["tok_s_plain"] > 0 and res["tok_s_spec"] > 0
+    assert len(res["acceptance_per_position"]) == 3 and res["drafted"][0] > 0
+
+
+def test_metrics_expose_draft_and_accepted_counts(engines):
+    from memra.server.metrics import ServerMetrics
+
+    _, spec = engines
+    spec.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0))
+    text = ServerMetrics(spec.engine.stats, "smol").render().decode()
+    drafted = sum(spec.engine.spec_drafted)
+    assert f'memra:spec_decode_num_draft_tokens_total{{model_name="smol"}} {float(drafted)}' in text
+    assert 'memra:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="0"}' in text

@@ -137,6 +137,8 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_aborted: int = 0
+    spec_draft_tokens: tuple[int, ...] = ()  # per draft position: drafts verified there
+    spec_accepted_tokens: tuple[int, ...] = ()  # per draft position: drafts accepted there
 
 
 class _Parent:
@@ -534,4 +536,6 @@ class LLMEngine:
             kv_blocks_total=self.kv.num_blocks, prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_prompt_tokens=self._num_prompt_tokens,
             num_prompt_tokens_computed=self._num_prompt_computed, num_generation_tokens=self._num_generated,
-            num_preemptions=s.num_preemptions, num_steps=self._num_steps, num_aborted=self._num_aborted)
+            num_preemptions=s.num_preemptions, num_steps=self._num_steps, num_aborted=self._num_aborted,
+            spec_draft_tokens=tuple(self.spec_drafted) if self.proposer else (),
+            spec_accepted_tokens=tuple(self.spec_accepted) if self.proposer else ())

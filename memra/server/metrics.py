@@ -93,6 +93,20 @@ class _EngineStatsCollector(Collector):
                       "cache; recomputed after preemption counted again).", s.num_prompt_tokens_computed)
         yield counter("memra:generation_tokens", "Tokens generated.", s.num_generation_tokens)
         yield counter("memra:num_preemptions", "Requests preempted (KV blocks taken back).", s.num_preemptions)
+        drafted, accepted = getattr(s, "spec_draft_tokens", ()), getattr(s, "spec_accepted_tokens", ())
+        if drafted:  # speculative decoding on
+            yield counter("memra:spec_decode_num_draft_tokens", "Draft tokens verified.", sum(drafted))
+            yield counter("memra:spec_decode_num_accepted_tokens", "Draft tokens accepted.", sum(accepted))
+            c = CounterMetricFamily("memra:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                    "draft position (0 = first); with ..._draft_tokens_per_pos the acceptance rate.",
+                                    labels=names + ["position"])
+            d = CounterMetricFamily("memra:spec_decode_num_draft_tokens_per_pos", "Draft tokens verified, by draft "
+                                    "position.", labels=names + ["position"])
+            for j, (n_d, n_a) in enumerate(zip(drafted, accepted)):
+                c.add_metric(values + [str(j)], n_a)
+                d.add_metric(values + [str(j)], n_d)
+            yield c
+            yield d
 
 
 class ServerMetrics:
