@@ -414,8 +414,11 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- speculation
     def _propose(self) -> None:
-        """Give each decoding request its drafts for the next step (none while the batch is large,
-        for constrained requests, or where max_tokens / the context leave no room)."""
+        """Give each decoding request its drafts for the next step (none while the batch is large, or
+        where max_tokens / the context leave no room). Constrained requests draft too: verification
+        masks each position with the grammar state after the drafts accepted before it (a draft the
+        grammar forbids has p = 0 and is rejected), and the matcher only ever consumes verified
+        tokens, so nothing needs rolling back."""
         if self.proposer is None:
             return
         running = self.scheduler.running
@@ -426,7 +429,7 @@ class LLMEngine:
             return
         for req in running:
             req.spec_tokens = []
-            if req.num_tokens - req.num_computed_tokens != 1 or req.params.structured is not None:
+            if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_tokens)
