@@ -135,6 +135,9 @@ class _SamplingFields(_Request):
                 if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
                     raise ProtocolError("response_format json_schema must be {'name': str, 'schema': {...}, "
                                         "'strict': bool}", "response_format.json_schema")
+                if not isinstance(js.get("strict", False), (bool, type(None))):
+                    raise ProtocolError("response_format.json_schema.strict must be true or false",
+                                        "response_format.json_schema.strict")
                 schema = js.get("schema") or {"type": "object"}
                 out = ("json", closed_objects(schema) if js.get("strict") else schema,
                        "response_format.json_schema.schema")
@@ -142,7 +145,7 @@ class _SamplingFields(_Request):
                 raise ProtocolError(f"response_format type {kind!r} must be 'text', 'json_object' or 'json_schema'",
                                     "response_format.type")
         so = self.structured_outputs
-        if so:
+        if so is not None:
             if out is not None:
                 raise ProtocolError("give response_format or structured_outputs, not both", "structured_outputs")
             keys = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]

@@ -34,6 +34,7 @@ class ReasoningParser:
     def __init__(self, seeded: bool = False):
         self.state = "reasoning" if seeded else "start"  # start -> reasoning -> content
         self.buf = ""
+        self.ws = ""  # leading whitespace held while the start is undecided
         self.eat_newline = False
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -43,14 +44,16 @@ class ReasoningParser:
         while self.buf:
             if self.state == "start":
                 lead = self.buf.lstrip()
+                self.ws += self.buf[:len(self.buf) - len(lead)]  # each character looked at once
+                self.buf = lead
                 if not lead:
                     break  # only whitespace so far: undecided
                 if lead.startswith(self.start):
-                    self.buf, self.state = lead[len(self.start):], "reasoning"
+                    self.buf, self.state, self.ws = lead[len(self.start):], "reasoning", ""
                     continue
                 if self.start.startswith(lead):
                     break  # a partial "<think>"
-                self.state = "content"
+                self.buf, self.state, self.ws = self.ws + lead, "content", ""
                 continue
             if self.state == "reasoning":
                 stops = [(self.buf.find(t), t) for t in (self.end, *_CALL_STARTS) if t in self.buf]
@@ -78,7 +81,8 @@ class ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         """End of the completion: held text goes where its state says."""
-        rest, self.buf = self.buf, ""
+        rest, self.buf = self.ws + self.buf, ""
+        self.ws = ""
         if self.state == "reasoning":
             return rest, ""
         if self.state == "start":
