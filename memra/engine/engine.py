@@ -380,14 +380,7 @@ class LLMEngine:
         for req, n in batch.items:
             if id(req) in logits.verify:  # a decode with drafts: verified, then rolled back
                 if req.parent_id in self._parents:
-                    try:
-                        delta = self._verify(req, logits.verify[id(req)])
-                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                        events.pop(req.parent_id, None)
-                        self.abort_request(req.parent_id)
-                        self._failures.append((req.parent_id, e))
-                        continue
-                    self._event(events, req).deltas.append(delta)
+                    self._deliver(events, req, self._verify, req, logits.verify[id(req)])
                 continue
             start = req.num_computed_tokens
             self._num_prompt_computed += max(0, min(start + n, len(req.prompt_ids)) - start)
@@ -396,14 +389,7 @@ class LLMEngine:
             if id(req) in logits.prompt:
                 self._collect_prompt_logprobs(req, *logits.prompt[id(req)])
             if (id(req) in logits.sample or id(req) in logits.greedy) and req.parent_id in self._parents:
-                try:
-                    delta = self._sample(req, logits.sample.get(id(req)), logits.greedy.get(id(req)))
-                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                    events.pop(req.parent_id, None)
-                    self.abort_request(req.parent_id)
-                    self._failures.append((req.parent_id, e))
-                    continue
-                self._event(events, req).deltas.append(delta)
+                self._deliver(events, req, self._sample, req, logits.sample.get(id(req)), logits.greedy.get(id(req)))
         for rid, ev in events.items():
             parent = self._parents[rid]
             if all(c.status.finished for c in parent.children):
@@ -411,6 +397,18 @@ class LLMEngine:
                 del self._parents[rid]
         self._propose()
         return list(events.values())
+
+    def _deliver(self, events: dict[str, RequestEvent], req: Request, fn, *args) -> None:
+        """Append ``fn(*args)`` (the request's delta of this step) to its event; if it raises, this
+        request fails and is aborted, the others go on."""
+        try:
+            delta = fn(*args)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            events.pop(req.parent_id, None)
+            self.abort_request(req.parent_id)
+            self._failures.append((req.parent_id, e))
+            return
+        self._event(events, req).deltas.append(delta)
 
     # ----------------------------------------------------------------- speculation
     def _propose(self) -> None:

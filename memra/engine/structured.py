@@ -163,6 +163,7 @@ class Matcher:
         if self.m.is_error():
             raise GrammarError(f"{grammar.what}: {self.m.get_error()}")
         self.vocab_size, self.end_ids = b.vocab_size, torch.tensor(b.end_ids, dtype=torch.long)
+        self._end_set = set(b.end_ids)
         self._lnp = lnp
         self._bits = lnp.allocate_token_bitmask(1, self.vocab_size)
 
@@ -183,7 +184,7 @@ class Matcher:
 
     def advance(self, token: int) -> None:
         """Feed the chosen ``token`` (end ids are not fed). Raises GrammarError if it is rejected."""
-        if token in self.end_ids.tolist():
+        if token in self._end_set:
             return
         if not self.m.consume_token(token):
             raise GrammarError(f"structured output: token {token} rejected: {self.m.get_error()}")
