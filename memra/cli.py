@@ -26,10 +26,15 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (None: torch's default, one per core); on a busy machine 1 "
                         "avoids oversubscription")
-    p.add_argument("--speculative-method", default=None, choices=["ngram"],
-                   help="speculative decoding: ngram = prompt lookup (drafts verified in one pass, output "
-                        "distributed exactly as without)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="most draft tokens per step (1..8)")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "mtp"],
+                   help="speculative decoding (drafts verified in one pass, output distributed exactly as "
+                        "without): ngram = prompt lookup, draft = a smaller model (--draft-model), mtp = the "
+                        "model's MTP layers (Step-3.5)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="most draft tokens per step (1..8; mtp: at most the model's MTP layers)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model of --speculative-method draft (key, GGUF path or HF directory; same "
+                        "vocabulary as the model)")
     p.add_argument("--speculative-max-batch", type=int, default=8,
                    help="no drafting while more requests than this are running")
 
@@ -87,7 +92,7 @@ def _load(a: argparse.Namespace):
 def _speculative(a: argparse.Namespace) -> dict:
     """The speculative-decoding EngineConfig fields of the command line."""
     return dict(speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-                speculative_max_batch=a.speculative_max_batch)
+                speculative_max_batch=a.speculative_max_batch, speculative_model=a.draft_model)
 
 
 def _finish_line(reason: str | None, stop, n_tokens: int, max_tokens: int, tokenizer) -> str:

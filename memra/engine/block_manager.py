@@ -37,7 +37,7 @@ import torch
 
 from ..config import ModelConfig
 
-__all__ = ["KVGroupSpec", "kv_groups", "BlockPool", "KVCacheManager", "KVCapacityError", "plan_kv_blocks",
+__all__ = ["KVGroupSpec", "kv_groups", "layer_groups", "BlockPool", "KVCacheManager", "KVCapacityError", "plan_kv_blocks",
            "NULL_BLOCK"]
 
 NULL_BLOCK = -1
@@ -78,8 +78,13 @@ class KVGroupSpec:
 
 def kv_groups(config: ModelConfig) -> list[KVGroupSpec]:
     """The model's KV-cache groups, in order of first layer."""
+    return layer_groups(config.layers)
+
+
+def layer_groups(layers: list) -> list[KVGroupSpec]:
+    """KV-cache groups of the attention layers ``layers`` (``LayerConfig``; layer i = attention index i)."""
     keys: dict[tuple, list[int]] = {}
-    for i, lc in enumerate(config.layers):
+    for i, lc in enumerate(layers):
         keys.setdefault((lc.sliding_window, lc.num_kv_heads, lc.head_dim), []).append(i)
     return [KVGroupSpec(tuple(ls), w, kvh, d) for (w, kvh, d), ls in keys.items()]
 

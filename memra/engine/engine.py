@@ -56,8 +56,12 @@ class EngineConfig:
             device's memory minus weights, activations and graphs (unless sized explicitly).
         gpu_memory_utilization: fraction of the GPU's memory memra may use in all (0 < f <= 1).
         enforce_eager: GPU: run every step eagerly (no CUDA graphs).
-        speculative_method: ``"ngram"`` to speculate (memra/engine/speculative.py), None not to.
-        num_speculative_tokens: most draft tokens per request per step (1..8).
+        speculative_method: ``"ngram"`` (prompt lookup), ``"draft"`` (a draft model) or ``"mtp"``
+            (the model's MTP layers) to speculate (memra/engine/speculative.py), None not to.
+        num_speculative_tokens: most draft tokens per request per step (1..8; for ``mtp`` at most
+            the model's MTP layer count).
+        speculative_model: the draft model of ``"draft"`` (model key, GGUF path or HF directory):
+            same vocabulary as the target, loaded on the same device in the same dtype.
         speculative_max_batch: drafting steps aside while more requests than this are running
             (verification then costs more than it saves).
     """
@@ -77,6 +81,7 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     speculative_max_batch: int = 8
+    speculative_model: str | None = None
 
     def __post_init__(self):
         try:
@@ -102,6 +107,12 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be in 1..8")
             if not (isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1):
                 raise ValueError(f"speculative_max_batch={self.speculative_max_batch!r} must be >= 1")
+            if (self.speculative_method == "draft") != (self.speculative_model is not None):
+                raise ValueError("speculative_model (--draft-model) is needed with speculative_method='draft', and "
+                                 f"only with it (got method {self.speculative_method!r}, model "
+                                 f"{self.speculative_model!r})")
+        elif self.speculative_model is not None:
+            raise ValueError("speculative_model is set but speculative_method is not: add speculative_method='draft'")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if self.dtype is None:
@@ -141,6 +152,29 @@ class EngineStats:
     spec_accepted_tokens: tuple[int, ...] = ()  # per draft position: drafts accepted there
 
 
+def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool):
+    """(model, checkpoint, tokenizer) of a model key, GGUF path or HF directory; on a GPU each layer
+    moves there as soon as it is built (the host never holds more than one layer's dequantized weights)."""
+    local = Path(model).expanduser()
+    path = local if local.is_dir() else resolve_model(str(model))
+    m, ckpt = load_model(path, dtype, progress=progress, device=device if device.type == "cuda" else None)
+    tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_metadata(ckpt.metadata)
+    return m, ckpt, tok
+
+
+def _check_same_vocab(target: Tokenizer, draft: Tokenizer, name: str) -> None:
+    """Raises ValueError unless the draft tokenizer maps ids to the same text as the target's
+    (checked on 256 ids spread over the draft's vocabulary; files without a vocabulary are not checked)."""
+    if not (getattr(target, "has_vocab", True) and getattr(draft, "has_vocab", True)):
+        return
+    n = min(target.vocab_size, draft.vocab_size)
+    for i in sorted({(j * 7919) % n for j in range(256)}):
+        a, b = target.decode([i]), draft.decode([i])
+        if a != b:
+            raise ValueError(f"draft model {name!r}: token id {i} is {b!r} in its vocabulary but {a!r} in the "
+                             "target's: the draft model must share the target's tokenizer")
+
+
 class _Parent:
     """A user request and its ``n`` sequences."""
 
@@ -173,14 +207,7 @@ class LLMEngine:
         self.checkpoint = None
         device = torch.device(cfg.device)
         if model is None:
-            local = Path(cfg.model).expanduser()
-            path = local if local.is_dir() else resolve_model(str(cfg.model))
-            # on a GPU each layer moves there as soon as it is built: the host never holds
-            # more than one layer's dequantized weights
-            model, self.checkpoint = load_model(path, dtype, progress=progress,
-                                                device=device if device.type == "cuda" else None)
-            tokenizer = (Tokenizer.from_hf_dir(path) if path.is_dir()
-                         else Tokenizer.from_gguf_metadata(self.checkpoint.metadata))
+            model, self.checkpoint, tokenizer = _load(cfg.model, dtype, device, progress)
             self.model_name = str(cfg.model)
         else:
             self.model_name = str(cfg.model)
@@ -225,7 +252,16 @@ class LLMEngine:
         if cfg.speculative_method is not None:
             from .speculative import make_proposer
 
-            self.proposer = make_proposer(cfg.speculative_method)
+            draft = None
+            if cfg.speculative_method == "draft":
+                draft, _, draft_tok = _load(cfg.speculative_model, dtype, device, progress)
+                _check_same_vocab(tokenizer, draft_tok, cfg.speculative_model)
+            self.proposer = make_proposer(
+                cfg.speculative_method, model=model, draft_model=draft, k=cfg.num_speculative_tokens, device=device,
+                block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                main_blocks=max(b for g, b in zip(groups, blocks) if g.window is None)
+                if any(g.window is None for g in groups) else max(blocks))
         self.spec_drafted = [0] * cfg.num_speculative_tokens  # per draft position: proposed, accepted
         self.spec_accepted = [0] * cfg.num_speculative_tokens
         self._parents: dict[str, _Parent] = {}
@@ -375,7 +411,8 @@ class LLMEngine:
         if not batch.items:
             return []
         self._num_steps += 1
-        logits = self.runner.execute(batch.items)
+        p = self.proposer
+        logits = self.runner.execute(batch.items, hidden=p is not None and p.needs_hidden and self._drafting())
         events: dict[str, RequestEvent] = {}
         for req, n in batch.items:
             if id(req) in logits.verify:  # a decode with drafts: verified, then rolled back
@@ -395,7 +432,7 @@ class LLMEngine:
             if all(c.status.finished for c in parent.children):
                 ev.finished = True
                 del self._parents[rid]
-        self._propose()
+        self._propose(logits.hidden)
         return list(events.values())
 
     def _deliver(self, events: dict[str, RequestEvent], req: Request, fn, *args) -> None:
@@ -411,28 +448,35 @@ class LLMEngine:
         self._event(events, req).deltas.append(delta)
 
     # ----------------------------------------------------------------- speculation
-    def _propose(self) -> None:
+    def _drafting(self) -> bool:
+        """Whether requests draft now: speculation on, and at most ``speculative_max_batch`` running."""
+        return self.proposer is not None and len(self.scheduler.running) <= self.engine_config.speculative_max_batch
+
+    def _propose(self, hidden: dict) -> None:
         """Give each decoding request its drafts for the next step (none while the batch is large, or
-        where max_tokens / the context leave no room). Constrained requests draft too: verification
-        masks each position with the grammar state after the drafts accepted before it (a draft the
-        grammar forbids has p = 0 and is rejected), and the matcher only ever consumes verified
-        tokens, so nothing needs rolling back."""
+        where max_tokens / the context leave no room); ``hidden``: this step's pre-norm hidden rows
+        (MTP). Constrained requests draft too: verification masks each position with the grammar
+        state after the drafts accepted before it (a draft the grammar forbids has p = 0 and is
+        rejected), and the matcher only ever consumes verified tokens, so nothing needs rolling back."""
         if self.proposer is None:
             return
         running = self.scheduler.running
         cfg = self.engine_config
-        if len(running) > cfg.speculative_max_batch:
-            for req in running:
-                req.spec_tokens = []
-            return
+        room: dict[int, int] = {}
         for req in running:
             req.spec_tokens = []
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
-            room = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
-                       self.max_model_len - req.num_tokens)
-            if room > 0:
-                req.spec_tokens = self.proposer.propose(req.all_token_ids, room)[:room]
+            r = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+                    self.max_model_len - req.num_tokens)
+            if r > 0:
+                room[id(req)] = r
+        self.proposer.release({id(r) for r in running})
+        if not self._drafting():
+            return
+        drafts = self.proposer.draft(running, room, hidden)
+        for req in running:
+            req.spec_tokens = list(drafts.get(id(req), ()))[:room.get(id(req), 0)]
 
     def _verify(self, req: Request, rows: torch.Tensor) -> CompletionDelta:
         """Verify ``req``'s drafts against the target's logits ``rows`` [1 + k, vocab] (row j scored

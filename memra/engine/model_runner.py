@@ -29,9 +29,12 @@ class StepLogits:
             tokens p+1 .. p+n (prompt logprobs).
         verify: request -> logits [1 + k, vocab] of a decode with k drafts: row j after the
             last token and the first j drafts.
+        hidden: (only when asked) request -> (first position p, pre-final-norm hidden rows
+            [n, hidden] of the n tokens computed this step, on the model's device).
     """
 
     def __init__(self):
+        self.hidden: dict[int, tuple[int, torch.Tensor]] = {}
         self.verify: dict[int, torch.Tensor] = {}
         self.sample: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, tuple[int, float]] = {}
@@ -84,13 +87,14 @@ class ModelRunner:
                 out.sample[id(reqs[r])] = host[j]
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Request, int]]) -> StepLogits:
-        """Compute ``n`` new tokens of each ``(request, n)``; K/V go into the cache.
+    def execute(self, items: list[tuple[Request, int]], hidden: bool = False) -> StepLogits:
+        """Compute ``n`` new tokens of each ``(request, n)``; K/V go into the cache. ``hidden``: also
+        return every request's pre-norm hidden rows (MTP drafting; the step then runs eagerly).
 
         Does not advance ``num_computed_tokens`` (the engine does, after sampling).
         """
         g = self.graphs
-        if (g is not None and len(items) <= g.max_batch
+        if (g is not None and not hidden and len(items) <= g.max_batch
                 and all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens and not req.spec_tokens
                         for req, n in items)):
             # (such a row never needs prompt-logprob rows: those end at len(prompt) - 1 <= its position)
@@ -110,7 +114,15 @@ class ModelRunner:
             chunks.append(SeqChunk(s, n, req.block_tables))
         # the attention backend of a mixed step: the paged Triton kernels when the cache is on a GPU
         kv = PagedBatch(self.cache, chunks, use_kernels=self.device.type == "cuda")
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), kv)
+        out = StepLogits()
+        hid = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), kv,
+                         both=hidden)
+        if hidden:
+            hid, pre = hid
+            off = 0
+            for req, n in items:
+                out.hidden[id(req)] = (req.num_computed_tokens, pre[off:off + n])
+                off += n
         rows, owners = [], []
         off = 0
         for req, n in items:
@@ -129,9 +141,8 @@ class ModelRunner:
                 rows.append(off + n - 1)
                 owners.append(("sample", req, 0, 1))
             off += n
-        out = StepLogits()
         if rows:
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]).float()
+            logits = self.model.logits(hid[torch.tensor(rows, device=self.device)]).float()
             r, sample_rows, sample_reqs = 0, [], []
             for kind, req, first, k in owners:
                 if kind == "prompt":

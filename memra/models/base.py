@@ -142,18 +142,19 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, *, prenorm: bool = False,
+                both: bool = False):
         """Run the decoder over ``input_ids`` at ``positions`` through the KV cache ``kv``.
 
         Returns the final-normed hidden states [T, hidden], or with ``prenorm=True`` the
         residual stream before the final norm (what MTP heads consume; apply ``self.norm``
-        to get the former).
+        to get the former), or with ``both=True`` the pair (final-normed, pre-norm).
         """
         x, residual = self.embed(input_ids), None  # [T, hidden]
         for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
             x, residual = layer(x, residual, cos, sin, kv)
         y, x = self.norm.add(x, residual)
-        return x if prenorm else y
+        return (y, x) if both else x if prenorm else y
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per decoder layer, its (cos, sin) tables [T, rotary_dim] at int64 ``positions`` [T];

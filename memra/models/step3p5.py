@@ -108,12 +108,15 @@ class Step35ForCausalLM(CausalLM):
                 if isinstance(layer.mlp, MoE) and layer.mlp.tokens_per_expert is not None}
 
     # ------------------------------------------------------------------ MTP
-    def mtp_forward(self, j: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def mtp_forward(self, j: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    kv=None) -> torch.Tensor:
         """MTP layer ``j`` over rows (h_prev [T, D], tokens int64 [T] at int64 ``positions`` [T]) -> z [T, D].
-        Row r pairs h_prev[r] with the embedding of tokens[r]; attention is causal over the T rows."""
+        Row r pairs h_prev[r] with the embedding of tokens[r]. ``kv``: the attention backend, whose
+        layer slot ``j`` is this MTP layer's cache (memra/engine/speculative.py ``MTPProposer``);
+        default: attention causal over the T rows only (:class:`SelfContainedKV`)."""
         lc = self.config.mtp_layers[j]
         cos, sin = rope_cos_sin(lc, positions, h_prev.dtype)
-        return self.mtp[j](h_prev, self.embed(tokens), cos, sin, SelfContainedKV(positions))
+        return self.mtp[j](h_prev, self.embed(tokens), cos, sin, SelfContainedKV(positions) if kv is None else kv)
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, token: int | torch.Tensor, k: int, positions: torch.Tensor | None = None,

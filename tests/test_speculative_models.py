@@ -1,0 +1,197 @@
+"""Model-based speculation (memra/engine/speculative.py): the MTP proposer's incremental, paged,
+chained drafting equals a full recompute of ``Step35ForCausalLM.draft`` at every round (random
+acceptance, chunked prefill, restarts, sliding-window block release); greedy output identical
+with speculation on and off for MTP K = 1, 2, 3 on the tiny Step model, and for the draft-model
+proposer (smollm2-135m drafting for itself, and qwen2.5-coder-0.5b for 1.5b); stop strings,
+max_tokens, n = 2, prefix-cache hits and preemption inside speculation."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from step35_tiny import VOCAB, make_tensors, write_checkpoint
+
+from memra import LLM, SamplingParams
+from memra.engine.kv_cache import ContiguousKVCache
+from memra.engine.speculative import MTPProposer
+from memra.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    d = write_checkpoint(tmp_path_factory.mktemp("tiny_step"), make_tensors(3), dtype=torch.float32)
+    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = HFTok(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<s>", "</s>", "<|eot|>"])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                          "add_bos_token": True}))
+    return d
+
+
+class _Seq:
+    """The part of a Request the MTP proposer reads."""
+
+    def __init__(self, tokens: list[int]):
+        self.all_token_ids = tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_mtp_proposer_equals_full_recompute(tiny_dir, K):
+    """Drive the proposer as the engine does, with random acceptance, and compare every round's
+    draft logits with ``draft()`` recomputed over the whole context (no cache) from the same base."""
+    model, _ = load_model(tiny_dir, torch.float32)
+    rng = random.Random(K)
+    L = 190
+    T = [rng.randrange(3, VOCAB) for _ in range(L)]
+    with torch.no_grad():
+        h_ref = model(torch.tensor(T), torch.arange(L), ContiguousKVCache(model.config, L), prenorm=True)
+    rec: list = []
+    prop = MTPProposer(model, K, block_size=4, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16,
+                       device=torch.device("cpu"), record=rec)
+    P, D = 37, model.config.hidden_size
+    req = _Seq(T[:P])
+    compared = restarts = 0
+    # chunked prefill: rows of each chunk; the last chunk's step also samples token P
+    for s in range(0, P, 16):
+        e = min(P, s + 16)
+        req.all_token_ids = T[:P + (e == P)]
+        out = prop.draft([req], {id(req): K} if e == P else {}, {id(req): (s, h_ref[s:e])})
+    base = 0
+    drafted = out[id(req)]
+    while req.num_tokens < L - K - 2:
+        N = req.num_tokens
+        if rng.random() < 0.08:  # drafting stepped aside for a few steps: the state restarts later
+            req.all_token_ids = T[:N + rng.randrange(1, 5)]
+            drafted = []
+            restarts += 1
+            continue
+        first = N - 1
+        acc = rng.randrange(0, len(drafted) + 1)
+        junk = torch.randn(len(drafted) - acc, D)  # rejected drafts' rows: must be ignored
+        rows = torch.cat([h_ref[first:first + acc + 1], junk])
+        req.all_token_ids = T[:N + acc + 1]
+        if prop.states.get(id(req)) is None or prop.states[id(req)].done[0] != first:
+            base = first
+        room = rng.randrange(0, K + 1)
+        rec.clear()
+        out = prop.draft([req], {id(req): room} if room else {}, {id(req): (first, rows)})
+        drafted = out[id(req)]
+        assert len(drafted) == room
+        if not room:
+            continue
+        N = req.num_tokens
+        want, want_logits = model.draft(h_ref[base:N - 1], torch.tensor(T[base + 1:N]), room,
+                                        positions=torch.arange(base, N - 1), return_logits=True)
+        got_base, got_logits = rec[0][id(req)]
+        assert got_base == base
+        assert drafted == want.tolist(), (N, base)
+        assert torch.allclose(got_logits, want_logits, atol=2e-4, rtol=1e-4), \
+            (got_logits - want_logits).abs().max()
+        compared += 1
+    assert compared > 30 and restarts > 0
+    pool = prop.cache.manager
+    assert 0 < pool.num_used_blocks <= 2 * (8 // 4 + 16 // 4 + 3)  # sliding window: old blocks released
+    prop.release(set())
+    assert pool.num_used_blocks == 0 and not prop.states
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 50))] for _ in range(n)]
+
+
+def _run(llm, prompts, params):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_dir):
+    return LLM(str(tiny_dir), max_model_len=256)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_mtp_greedy_identical(tiny_dir, tiny_plain, K):
+    spec = LLM(str(tiny_dir), max_model_len=256, speculative_method="mtp", num_speculative_tokens=K,
+               speculative_max_batch=32)
+    prompts = _prompts(20, K)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    assert _run(tiny_plain, prompts, greedy) == _run(spec, prompts, greedy)
+    e = spec.engine
+    assert sum(e.spec_drafted) > 20 * 64 // 2 and len(e.spec_drafted) == K
+    # stop string and max_tokens land wherever they land; n = 2; a repeated prompt hits the prefix cache
+    out = _run(tiny_plain, [prompts[0]], greedy)[0][0][1].split()
+    stop = out[5]
+    for params in (SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, stop=[stop]),
+                   SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, n=2, logprobs=1)):
+        assert _run(tiny_plain, prompts[:4], params) == _run(spec, prompts[:4], params), params
+    hits = e.kv.prefix_hits
+    assert _run(tiny_plain, prompts[:3], greedy) == _run(spec, prompts[:3], greedy)
+    assert e.kv.prefix_hits > hits
+    assert spec.engine.proposer.cache.manager.num_used_blocks == 0  # every state released at the end
+
+
+def test_mtp_under_preemption(tiny_dir, tiny_plain):
+    tight = LLM(str(tiny_dir), max_model_len=256, kv_cache_blocks=20, max_num_seqs=8, max_num_batched_tokens=48,
+                speculative_method="mtp", num_speculative_tokens=3, enable_prefix_caching=False)
+    prompts = _prompts(8, 11)
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    assert _run(tiny_plain, prompts, greedy) == _run(tight, prompts, greedy)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert sum(tight.engine.spec_drafted) > 0
+
+
+def test_mtp_refuses_too_many_drafts(tiny_dir):
+    with pytest.raises(ValueError, match="has 3 MTP layer"):
+        LLM(str(tiny_dir), max_model_len=64, speculative_method="mtp", num_speculative_tokens=4)
+
+
+def test_draft_model_config_errors():
+    from memra.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_model="smollm2-135m")
+
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "1, 2, 3, 4, 5, 6,",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "import numpy as np\nx = np.",
+    "Q: What is 7 * 8?\nA:",
+    "class Stack:\n    def __init__(self):\n",
+    "Monday, Tuesday,",
+]
+
+
+def test_draft_model_self_draft_accepts_and_stays_exact():
+    """smollm2-135m drafting for itself: greedy drafts are (nearly) all accepted, which drives the
+    accepted-run paths (bonus tokens, draft KV kept across rounds) hard."""
+    plain = LLM("smollm2-135m", max_model_len=512, max_num_seqs=8)
+    spec = LLM("smollm2-135m", max_model_len=512, max_num_seqs=8, speculative_method="draft",
+               speculative_model="smollm2-135m", num_speculative_tokens=4)
+    for params, n in ((SamplingParams(max_tokens=48, temperature=0.0), 8),
+                      (SamplingParams(max_tokens=9, temperature=0.0), 4),
+                      (SamplingParams(max_tokens=32, temperature=0.0, stop=["\n\n"], logprobs=2), 4),
+                      (SamplingParams(max_tokens=16, temperature=0.0, n=2), 2)):
+        assert _run(plain, PROMPTS[:n], params) == _run(spec, PROMPTS[:n], params), params
+    e = spec.engine
+    assert sum(e.spec_accepted) > 0.9 * sum(e.spec_drafted) > 200, (e.spec_drafted, e.spec_accepted)
+    assert e.proposer.cache.manager.num_used_blocks == 0
