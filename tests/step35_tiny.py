@@ -131,6 +131,24 @@ def write_checkpoint(d: Path, tensors: dict[str, torch.Tensor], config: dict | N
     return d
 
 
+def write_llm_dir(d: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A directory ``LLM(d)`` loads: the checkpoint plus a word-level tokenizer ("w5" is id 5;
+    <s> = 0 is bos, </s> = 1 and <|eot|> = 2 are eos)."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    write_checkpoint(d, tensors, dtype=dtype)
+    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = HFTok(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<s>", "</s>", "<|eot|>"])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                          "add_bos_token": True}))
+    return d
+
+
 def reference_model(tensors: dict[str, torch.Tensor], config: dict | None = None):
     """transformers' ``Step3p7TextModel`` (fp32, eager attention) built from the hub config and
     loaded with ``tensors`` (hub names mapped to transformers' names by hand)."""

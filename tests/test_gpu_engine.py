@@ -522,28 +522,20 @@ def test_structured_output_on_gpu_masks_in_one_device_op():
 
 
 @pytest.mark.gpu
-def test_ngram_speculation_on_gpu_keeps_greedy_output():
-    """Greedy decode with ngram speculation on the GPU against speculation off. The GPU's bf16
-    kernels are not shape-invariant (measured on the H200: plain decode through CUDA graphs and
-    plain eager decode already differ on 4 of these 10 prompts, from token 9 on; batch 4 vs 1
-    flips one first token), so the bound is that baseline: speculation (verify steps run
-    eagerly) may differ from plain eager decode on no more prompts than plain decode's own two
-    paths differ from each other (at least 1), and it must accept drafts."""
+def _spec_vs_plain_on_gpu(path, prompts, params, methods, **common):
+    """Greedy decode on the GPU with each speculative ``methods`` entry (EngineConfig kwargs) against
+    speculation off. The GPU's bf16 results depend on the batch shape (plain decode through CUDA
+    graphs vs plain eager already differ on some prompts), so the bound is that baseline: a
+    speculative run may differ from plain eager decode on no more prompts than plain decode's own
+    two paths differ from each other (at least 1). Returns {name: (accepted, drafted, graph steps)}."""
     from memra.engine.llm import LLM
-    from memra.engine.sampling import SamplingParams
-
-    prompts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "1, 2, 3, 4, 5, 6, 7, 8,",
-               "The cat sat on the mat. The cat sat on the mat. The", "<ul>\n  <li>one</li>\n  <li>",
-               "for i in range(3):\n    print(i)\nfor j in range(3):\n", "Once upon a time",
-               "SELECT a FROM t; SELECT b FROM t; SELECT", "red green blue red green", "Monday, Tuesday,",
-               "The capital of France is"]
-    params = SamplingParams(max_tokens=48, temperature=0.0)
 
     def run(**kw):
-        llm = LLM(_smollm2_path(), max_model_len=512, device="cuda", max_num_seqs=4, **kw)
+        llm = LLM(path, device="cuda", **common, **kw)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        stats = (list(llm.engine.spec_accepted), list(llm.engine.spec_drafted))
-        del llm
+        e = llm.engine
+        stats = (sum(e.spec_accepted), sum(e.spec_drafted), e.runner.num_graph_steps)
+        del llm, e
         torch.cuda.empty_cache()
         return out, stats
 
@@ -553,9 +545,56 @@ def test_ngram_speculation_on_gpu_keeps_greedy_output():
 
     graph, _ = run()
     eager, _ = run(enforce_eager=True)
-    spec, (accepted, drafted) = run(speculative_method="ngram", num_speculative_tokens=3)
-    base, d = diverged(graph, eager), diverged(spec, eager)
-    print(f"\nplain graphs vs plain eager: {base}; ngram vs plain eager: {d} (prompt, first token); "
-          f"accepted {accepted} of {drafted}")
-    assert sum(accepted) > 0
-    assert len(d) <= max(1, len(base)), (d, base)
+    base = diverged(graph, eager)
+    print(f"\nplain graphs vs plain eager: {base} (prompt, first differing token)")
+    out = {}
+    for name, kw in methods.items():
+        spec, stats = run(**kw)
+        d = diverged(spec, eager)
+        print(f"{name} vs plain eager: {d}; accepted {stats[0]} of {stats[1]}, {stats[2]} graph steps")
+        assert len(d) <= max(1, len(base)), (name, d, base)
+        out[name] = stats
+    return out
+
+
+@pytest.mark.gpu
+def test_speculation_on_gpu_keeps_greedy_output():
+    """smollm2-135m with ngram and with a draft model (itself: drafts nearly always accepted);
+    verify steps replay the decode CUDA graphs (one row per query token)."""
+    from memra.engine.sampling import SamplingParams
+
+    prompts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "1, 2, 3, 4, 5, 6, 7, 8,",
+               "The cat sat on the mat. The cat sat on the mat. The", "<ul>\n  <li>one</li>\n  <li>",
+               "for i in range(3):\n    print(i)\nfor j in range(3):\n", "Once upon a time",
+               "SELECT a FROM t; SELECT b FROM t; SELECT", "red green blue red green", "Monday, Tuesday,",
+               "The capital of France is"]
+    p = _smollm2_path()
+    stats = _spec_vs_plain_on_gpu(p, prompts, SamplingParams(max_tokens=48, temperature=0.0),
+                                  {"ngram": dict(speculative_method="ngram", num_speculative_tokens=3),
+                                   "draft": dict(speculative_method="draft", speculative_model=p,
+                                                 num_speculative_tokens=4)},
+                                  max_model_len=512, max_num_seqs=4)
+    for accepted, _, graph_steps in stats.values():
+        assert accepted > 0 and graph_steps > 0
+    assert stats["draft"][0] > 0.8 * stats["draft"][1]
+
+
+@pytest.mark.gpu
+def test_mtp_speculation_on_gpu_keeps_greedy_output(tmp_path):
+    """The tiny Step model (bf16) with MTP K = 1 and 3 (random weights: drafts are rarely accepted;
+    the point is that the output does not change)."""
+    import random
+
+    from step35_tiny import VOCAB, make_tensors, write_llm_dir
+
+    from memra.engine.sampling import SamplingParams
+
+    d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
+    g = random.Random(0)
+    prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 50))] for _ in range(20)]
+    stats = _spec_vs_plain_on_gpu(str(d), prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+                                  {f"mtp{k}": dict(speculative_method="mtp", num_speculative_tokens=k,
+                                                   speculative_max_batch=32) for k in (1, 3)},
+                                  max_model_len=256, max_num_seqs=32)
+    for _, drafted, graph_steps in stats.values():
+        assert drafted > 20 * 64 // 2 and graph_steps > 0

@@ -7,14 +7,14 @@ max_tokens, n = 2, prefix-cache hits and preemption inside speculation."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
-from step35_tiny import VOCAB, make_tensors, write_checkpoint
+from step35_tiny import VOCAB, make_tensors, write_llm_dir
 
 from memra import LLM, SamplingParams
+from memra.engine.engine import EngineConfig, LLMEngine
 from memra.engine.kv_cache import ContiguousKVCache
 from memra.engine.speculative import MTPProposer
 from memra.models import load_model
@@ -22,19 +22,7 @@ from memra.models import load_model
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers
-
-    d = write_checkpoint(tmp_path_factory.mktemp("tiny_step"), make_tensors(3), dtype=torch.float32)
-    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tok = HFTok(models.WordLevel(vocab, unk_token="</s>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(["<s>", "</s>", "<|eot|>"])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                          "add_bos_token": True}))
-    return d
+    return write_llm_dir(tmp_path_factory.mktemp("tiny_step"), make_tensors(3), dtype=torch.float32)
 
 
 class _Seq:
@@ -161,8 +149,6 @@ def test_mtp_refuses_too_many_drafts(tiny_dir):
 
 
 def test_draft_model_config_errors():
-    from memra.engine.engine import EngineConfig
-
     with pytest.raises(ValueError, match="speculative_model"):
         EngineConfig(speculative_method="draft")
     with pytest.raises(ValueError, match="speculative_method"):
@@ -195,3 +181,32 @@ def test_draft_model_self_draft_accepts_and_stays_exact():
     e = spec.engine
     assert sum(e.spec_accepted) > 0.9 * sum(e.spec_drafted) > 200, (e.spec_drafted, e.spec_accepted)
     assert e.proposer.cache.manager.num_used_blocks == 0
+    # a prefix-cache hit (the same prompts again) and preemption (a cache too small for the batch)
+    hits = e.kv.prefix_hits
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    assert _run(plain, PROMPTS[:4], greedy) == _run(spec, PROMPTS[:4], greedy)
+    assert e.kv.prefix_hits > hits
+    tight = LLM.from_engine(LLMEngine(
+        EngineConfig(max_model_len=128, max_num_seqs=8, kv_cache_blocks=14, max_num_batched_tokens=64,
+                     speculative_method="draft", speculative_model="smollm2-135m", num_speculative_tokens=4),
+        model=plain.engine.model, tokenizer=plain.tokenizer))
+    assert _run(plain, PROMPTS, greedy) == _run(tight, PROMPTS, greedy)
+    assert tight.engine.scheduler.num_preemptions > 0 and sum(tight.engine.spec_accepted) > 100
+
+
+@pytest.mark.slow
+def test_draft_model_qwen_0p5b_for_1p5b():
+    """The issue's pair: qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b over 20 prompts x 64
+    tokens, greedy identical to the 1.5b alone (one copy of the 1.5b's weights serves both engines)."""
+    from test_speculative import PROMPTS as TWENTY
+
+    plain = LLM("qwen2.5-coder-1.5b", max_model_len=512, max_num_seqs=20)
+    spec = LLM.from_engine(LLMEngine(
+        EngineConfig(model="qwen2.5-coder-1.5b", max_model_len=512, max_num_seqs=20, speculative_method="draft",
+                     speculative_model="qwen2.5-coder-0.5b", num_speculative_tokens=3, speculative_max_batch=20),
+        model=plain.engine.model, tokenizer=plain.tokenizer))
+    greedy = SamplingParams(max_tokens=64, temperature=0.0)
+    assert len(TWENTY) == 20
+    assert _run(plain, TWENTY, greedy) == _run(spec, TWENTY, greedy)
+    e = spec.engine
+    assert sum(e.spec_accepted) > 0.5 * sum(e.spec_drafted) > 300, (e.spec_drafted, e.spec_accepted)

@@ -8,7 +8,6 @@ transformers text model has no LM head: its final hidden states go through the s
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -318,20 +317,11 @@ def test_mtp_draft_matches_restatement(model, tensors, ids, context):
 
 
 def test_llm_generates_from_hf_directory(tmp_path, tensors, model):
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers
+    from step35_tiny import write_llm_dir
 
     from memra import LLM, SamplingParams
 
-    d = write_checkpoint(tmp_path / "llm", tensors)
-    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tok = HFTok(models.WordLevel(vocab, unk_token="</s>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.add_special_tokens(["<s>", "</s>", "<|eot|>"])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                          "add_bos_token": True}))
+    d = write_llm_dir(tmp_path / "llm", tensors)
     llm = LLM(str(d))
     assert llm.tokenizer.encode("w5 w9") == [0, 5, 9]
     out = llm.generate("w5 w9 w17", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]

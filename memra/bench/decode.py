@@ -14,6 +14,15 @@ the KV cache read (B sequences x ``--context`` tokens, sliding layers at most th
 divided by the device-to-device copy bandwidth measured in the same run. The batch-1 figure
 is cross-checked against the config-only accounting of memra/roofline.py.
 
+Speculation (``--mtp K``): the model keeps K MTP layers, and for each batch size B the bench also
+times the verify step (B sequences x (K + 1) query rows: the last token and K drafts, replayed
+through the same decode CUDA graphs at batch B(K + 1)) and the MTP drafting of the step
+(memra/engine/speculative.py ``MTPProposer.draft`` in steady state: every request consumes r =
+accepted + 1 new hidden rows and drafts K tokens; timed for r = 1 .. K + 1). Random weights accept
+nothing, so the accepted length A (tokens per sequence per step, bonus included) is forced
+(``--accepted``): effective tok/s = B x A / (verify + drafting at A), against plain decode's
+B / step (drafting at a fractional A interpolates between its neighbouring r).
+
 Per-phase split: each phase's modules over all layers are captured alone in their own CUDA
 graph on the step's real inputs (attention = input norm + fused QKV/gate projection + q/k
 norm + RoPE + paged attention + head gate + output projection; router = post-attention norm
@@ -104,7 +113,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    g = load_geometry(a.geometry) | {"mtp_layers": 0}
+    g = load_geometry(a.geometry) | {"mtp_layers": a.mtp}
     if a.layers:
         g["layers"] = a.layers
         g["clamp_layers"] = [i for i in g["clamp_layers"] if i < a.layers]
@@ -122,7 +131,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
 
     bs = 16
     max_b = max(batches)
-    per_seq = -(-(a.context + 1) // bs)
+    per_seq = -(-(a.context + 1 + a.mtp) // bs)
     groups = kv_groups(config)
     cache = PagedKVCache(groups, [max_b * per_seq + 1] * len(groups), bs, torch.bfloat16, device=dev)
     gen = torch.Generator(device=dev).manual_seed(a.seed + 1)
@@ -132,8 +141,9 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     perm = torch.randperm(max_b * per_seq, generator=torch.Generator().manual_seed(a.seed))
     tables = [perm[i * per_seq:(i + 1) * per_seq].tolist() for i in range(max_b)]
 
+    verify_rows = sorted({b * (1 + a.mtp) for b in batches if b * (1 + a.mtp) <= 64}) if a.mtp else []
     runner = CudaGraphRunner(model, cache, max_b, per_seq, scratch_blocks=[max_b * per_seq] * len(groups),
-                             buckets=batches)
+                             buckets=sorted(set(batches) | set(verify_rows)))
     t0 = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - t0
@@ -148,6 +158,8 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     for b in batches:
         try:
             results.append(_bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_bytes, copy_bw))
+            if a.mtp and b * (1 + a.mtp) in verify_rows:
+                results[-1]["speculation"] = _bench_mtp(a, model, runner, tables, groups, b, results[-1]["step_ms"])
         except Exception as e:  # noqa: BLE001 - report it, go on with the other batch sizes
             import traceback
 
@@ -155,7 +167,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
             results.append({"batch": b, "error": f"{type(e).__name__}: {e}"})
     res = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
-        "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format,
+        "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format, "mtp": a.mtp,
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
         "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
@@ -201,6 +213,75 @@ def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_byte
     return row
 
 
+def _bench_mtp(a, model, runner, tables, groups, b: int, plain_ms: float) -> dict:
+    """Speculation at batch ``b`` (module docstring): verify step, MTP drafting per r, effective tok/s."""
+    import torch
+
+    from ..engine.speculative import MTPProposer
+
+    K, V, D = a.mtp, model.config.vocab_size, model.config.hidden_size
+    gen = torch.Generator().manual_seed(b + 7)
+    ids = torch.randint(3, V, (b * (K + 1),), generator=gen).tolist()
+    pos = [a.context + j for _ in range(b) for j in range(K + 1)]
+    bt = [[tables[r]] * len(groups) for r in range(b) for _ in range(K + 1)]
+    logits = runner.run(ids, pos, bt)
+    torch.cuda.synchronize()
+    verify_ms = median_ms(runner.graphs[runner.bucket(len(ids))].replay, reps=a.reps)
+    finite = bool(torch.isfinite(logits).all())
+
+    class Seq:  # what MTPProposer reads of a request
+        def __init__(self, toks):
+            self.all_token_ids = toks
+
+        @property
+        def num_tokens(self):
+            return len(self.all_token_ids)
+
+    warm = 600  # rows of the first call: more than the MTP layers' window
+    reqs = [Seq(torch.randint(3, V, (a.context,), generator=gen).tolist()) for _ in range(b)]
+    prop = MTPProposer(model, K, block_size=16, max_num_seqs=b, max_model_len=a.context + 4 * (K + 1) * (a.reps + 8),
+                       max_num_batched_tokens=warm, device=runner.device)
+    dev = runner.device
+
+    def rows(n):
+        return torch.randn(n, D, device=dev, dtype=torch.bfloat16)
+
+    room = {id(r): K for r in reqs}
+    prop.draft(reqs, room, {id(r): (a.context - warm, rows(warm)) for r in reqs})  # base = context - warm
+    draft_ms = {}
+    for r in range(1, K + 2):
+        times = []
+        for it in range(a.reps + 3):
+            hidden = {}
+            for q in reqs:
+                first = q.num_tokens - 1
+                q.all_token_ids = q.all_token_ids + torch.randint(3, V, (r,), generator=gen).tolist()
+                hidden[id(q)] = (first, rows(r + (K - (r - 1))))  # 1 + K rows computed, r verified
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = prop.draft(reqs, room, hidden)
+            torch.cuda.synchronize()
+            if it >= 3:
+                times.append((time.perf_counter() - t0) * 1e3)
+        assert all(len(out[id(q)]) == K for q in reqs)
+        draft_ms[r] = statistics.median(times)
+    eff = {}
+    for acc in a.accepted:
+        lo = min(max(int(acc), 1), K + 1)
+        hi = min(lo + 1, K + 1)
+        d = draft_ms[lo] + (acc - lo) * (draft_ms[hi] - draft_ms[lo])
+        tok_s = b * acc / (verify_ms + d) * 1e3
+        eff[str(acc)] = {"draft_ms": d, "step_ms": verify_ms + d, "tok_s": tok_s, "speedup": tok_s / (b / plain_ms * 1e3)}
+    row = {"num_speculative_tokens": K, "verify_rows": len(ids), "verify_ms": verify_ms,
+           "verify_over_plain": verify_ms / plain_ms, "draft_ms_by_rows": draft_ms, "effective": eff,
+           "verify_logits_finite": finite}
+    drafting = ", ".join(f"r={r} {v:.3f}" for r, v in draft_ms.items())
+    effective = ", ".join(f"A={k} {v['tok_s']:.0f} tok/s ({v['speedup']:.2f}x)" for k, v in eff.items())
+    print(f"B={b} MTP K={K}: verify {verify_ms:.3f} ms ({row['verify_over_plain']:.2f}x plain), drafting "
+          f"{drafting} ms; effective {effective}", flush=True)
+    return row
+
+
 def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]]:
     """ms per phase (each captured alone over all layers) and distinct experts per MoE layer."""
     import torch
@@ -241,6 +322,20 @@ def print_table(res: dict) -> None:
               f"{r['distinct_experts_per_layer']:.1f} | {p['attention']:.3f} | {p['router']:.3f} | "
               f"{p['routed_experts']:.3f} | {p['shared_experts']:.3f} | {p['dense_mlp']:.3f} | {p['head']:.3f} | "
               f"{r['phases_sum_ms']:.3f} |")
+    spec = [r for r in res["results"] if "speculation" in r]
+    if spec:
+        accs = list(spec[0]["speculation"]["effective"])
+        print(f"\nMTP K={res['mtp']} speculation (accepted length A forced: random weights accept nothing)")
+        hdr = ("| batch | plain ms | verify ms | verify / plain | " + " | ".join(f"draft ms A={x}" for x in accs)
+               + " | " + " | ".join(f"tok/s A={x} (x plain)" for x in accs) + " |")
+        print(hdr)
+        print("|" + " --- |" * (hdr.count("|") - 1))
+        for r in spec:
+            sp = r["speculation"]
+            e = sp["effective"]
+            print(f"| {r['batch']} | {r['step_ms']:.3f} | {sp['verify_ms']:.3f} | {sp['verify_over_plain']:.2f} | "
+                  + " | ".join(f"{e[x]['draft_ms']:.3f}" for x in accs) + " | "
+                  + " | ".join(f"{e[x]['tok_s']:.0f} ({e[x]['speedup']:.2f})" for x in accs) + " |")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -252,6 +347,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, tokens and KV contents")
     p.add_argument("--reps", type=int, default=30, help="timed replays per measurement (median)")
+    p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
+    p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
+                   help="forced accepted lengths (tokens per sequence per step, bonus included)")
     p.add_argument("--json-out", default=None, help="write the result JSON here")
 
 

@@ -1,6 +1,7 @@
 """``memra bench spec``: speculative decoding on this machine, against plain decode in the same run.
 
-One model loaded twice (speculation off / on, same weights and KV settings), a fixed prompt set
+One model loaded once and served by two engines (speculation off / on, same weights and KV
+settings; ``--method draft`` also loads ``--draft-model``), a fixed prompt set
 (code, lists, repeated text: what prompt lookup drafts well, and plain prose: what it does not),
 greedy single-stream generation of ``--tokens`` tokens per prompt, ``--rounds`` interleaved rounds.
 Reports decode tok/s of each (the prefill is left out: the first token's time), their ratio,
@@ -36,7 +37,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     from ..hub import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="model key or GGUF file")
-    p.add_argument("--method", default="ngram", choices=["ngram"], help="proposer")
+    p.add_argument("--method", default="ngram", choices=["ngram", "draft", "mtp"], help="proposer")
+    p.add_argument("--draft-model", default=None, help="draft model of --method draft (key or file)")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"first N of the {len(PROMPTS)} prompts")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
@@ -48,13 +51,18 @@ def run_spec_bench(a: argparse.Namespace) -> dict:
     """Measure (module docstring); returns the JSON-able result."""
     import torch
 
+    from ..engine.engine import EngineConfig, LLMEngine
     from ..engine.llm import LLM
     from ..engine.sampling import SamplingParams
 
     torch.set_num_threads(a.threads)
     k = a.num_speculative_tokens
+    prompts = PROMPTS[:a.prompts]
     plain = LLM(a.model, max_model_len=1024, max_num_seqs=1)
-    spec = LLM(a.model, max_model_len=1024, max_num_seqs=1, speculative_method=a.method, num_speculative_tokens=k)
+    spec = LLM.from_engine(LLMEngine(
+        EngineConfig(model=a.model, max_model_len=1024, max_num_seqs=1, speculative_method=a.method,
+                     num_speculative_tokens=k, speculative_model=a.draft_model),
+        model=plain.model, tokenizer=plain.tokenizer))
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0)
     rates: dict[str, list[float]] = {"plain": [], "spec": []}
     same = True
@@ -62,7 +70,7 @@ def run_spec_bench(a: argparse.Namespace) -> dict:
         for name, llm in (("plain", plain), ("spec", spec)):
             toks = secs = 0.0
             outs = []
-            for prompt in PROMPTS:
+            for prompt in prompts:
                 outs.append("".join(llm.stream(prompt, params)))
                 m = llm.last_metrics
                 toks += m["decode_tokens"]
@@ -76,21 +84,22 @@ def run_spec_bench(a: argparse.Namespace) -> dict:
     steps = e.spec_drafted[0]  # verify steps with at least one draft
     accepted = sum(e.spec_accepted)
     res = {"machine": platform.processor() or platform.machine(), "model": a.model, "method": a.method,
-           "num_speculative_tokens": k, "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
-           "prompts": len(PROMPTS), "tok_s_plain": statistics.median(rates["plain"]),
+           "draft_model": a.draft_model, "num_speculative_tokens": k, "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
+           "prompts": len(prompts), "tok_s_plain": statistics.median(rates["plain"]),
            "tok_s_spec": statistics.median(rates["spec"]),
            "acceptance_per_position": [acc / d if d else None for acc, d in zip(e.spec_accepted, e.spec_drafted)],
            "drafted": list(e.spec_drafted), "accepted": list(e.spec_accepted),
            "mean_accepted_length": (accepted + steps) / steps if steps else None, "greedy_identical": same}
     res["speedup"] = res["tok_s_spec"] / res["tok_s_plain"]
-    print(f"memra bench spec: {a.model}, {a.method} K={k}, {len(PROMPTS)} prompts x {a.tokens} greedy tokens, "
+    name = a.method + (f" ({a.draft_model})" if a.draft_model else "")
+    print(f"memra bench spec: {a.model}, {name} K={k}, {len(prompts)} prompts x {a.tokens} greedy tokens, "
           f"{a.threads} threads, median of {a.rounds} interleaved rounds")
     print("| mode | decode tok/s | ratio | mean accepted length | acceptance per position | greedy identical |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(f"| plain | {res['tok_s_plain']:.1f} | 1.00 | - | - | - |")
     acc = ", ".join("-" if x is None else f"{x:.2f}" for x in res["acceptance_per_position"])
     mal = res["mean_accepted_length"]
-    print(f"| {a.method} K={k} | {res['tok_s_spec']:.1f} | {res['speedup']:.2f} | "
+    print(f"| {name} K={k} | {res['tok_s_spec']:.1f} | {res['speedup']:.2f} | "
           f"{'-' if mal is None else f'{mal:.2f}'} | {acc} | {same} |")
     if a.json_out:
         with open(a.json_out, "w") as f:

@@ -104,14 +104,16 @@ class CudaGraphRunner:
         self.slots = [torch.full((n,), s, dtype=torch.int64, device=dev) for s in self.scratch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.prenorm: dict[int, torch.Tensor] = {}  # the step's pre-final-norm hidden rows (MTP drafting)
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
     def _kv(self, b: int) -> DecodeKV:
         return DecodeKV(self.cache, [t[:b] for t in self.tables], self.seq_lens[:b], [s[:b] for s in self.slots])
 
-    def _forward(self, b: int) -> torch.Tensor:
-        return self.model.logits(self.model(self.ids[:b], self.pos[:b], self._kv(b)))
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y, x = self.model(self.ids[:b], self.pos[:b], self._kv(b), both=True)
+        return self.model.logits(y), x
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,9 +128,9 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                out = self._forward(b)
+                out, pre = self._forward(b)
             pool = g.pool()
-            self.graphs[b], self.outputs[b] = g, out
+            self.graphs[b], self.outputs[b], self.prenorm[b] = g, out, pre
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
@@ -179,7 +181,19 @@ class CudaGraphRunner:
 
     def run(self, ids: list[int], positions: list[int], block_tables: list[list[list[int]]]) -> torch.Tensor:
         """One decode step (inputs as :meth:`prepare`). Returns the fp32 logits [len(ids), vocab]
-        (a view of the graph's output buffer, valid until the next call)."""
+        (a view of the graph's output buffer, valid until the next call); :meth:`hidden` then
+        gives the step's pre-norm hidden rows.
+
+        Several rows may belong to one sequence (a speculative verify step: its last token and
+        its drafts at consecutive positions, each row with the sequence's block table): every
+        row's K/V are written before any row attends, and row r sees positions <= positions[r],
+        so each draft sees exactly the prefix and the drafts before it."""
         b = self.prepare(ids, positions, block_tables)
         self.graphs[b].replay()
+        self._last = (b, len(ids))
         return self.outputs[b][:len(ids)]
+
+    def hidden(self) -> torch.Tensor:
+        """Pre-final-norm hidden rows [n, hidden] of the last :meth:`run` (valid until the next call)."""
+        b, n = self._last
+        return self.prenorm[b][:n]

@@ -222,10 +222,21 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or ctx
         groups = kv_groups(self.config)
         kv_dtype = model.dtype
+        draft = None
+        if cfg.speculative_method == "draft":  # loaded first: on a GPU the KV budget counts its weights
+            draft, _, draft_tok = _load(cfg.speculative_model, dtype, device, progress)
+            _check_same_vocab(tokenizer, draft_tok, cfg.speculative_model)
         memory = cfg.kv_cache_memory
         self.memory_report = ""
         if cfg.kv_cache_blocks is None and memory is None:
             memory = DEFAULT_KV_CACHE_MEMORY if device.type == "cpu" else self._gpu_kv_budget(groups, device)
+        if memory is not None and cfg.speculative_method in ("draft", "mtp"):
+            # the proposer's own KV cache comes out of the same budget
+            from .speculative import proposer_cache_share
+
+            memory = proposer_cache_share(cfg.speculative_method, memory, groups, model, draft, kv_dtype,
+                                          cfg.num_speculative_tokens, cfg.block_size, cfg.max_num_seqs,
+                                          self.max_model_len, cfg.max_num_batched_tokens)
         blocks = plan_kv_blocks(groups, cfg.block_size, kv_dtype, num_blocks=cfg.kv_cache_blocks,
                                 memory_bytes=memory, max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
@@ -238,9 +249,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
-            from .cuda_graph import CudaGraphRunner
+            from .cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 
-            graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
+            rows = cfg.max_num_seqs
+            if cfg.speculative_method is not None:  # verify steps: 1 + K graph rows per sequence
+                rows = max(rows, min(MAX_GRAPH_BATCH, min(cfg.max_num_seqs, cfg.speculative_max_batch)
+                                     * (1 + cfg.num_speculative_tokens)))
+            graphs = CudaGraphRunner(model, self.cache, rows, -(-self.max_model_len // cfg.block_size),
                                      scratch_blocks=blocks)
             graphs.capture()
             self.memory_report += (f"; CUDA graphs: {len(graphs.buckets)} batch sizes ({graphs.buckets[0]}.."
@@ -252,10 +267,6 @@ class LLMEngine:
         if cfg.speculative_method is not None:
             from .speculative import make_proposer
 
-            draft = None
-            if cfg.speculative_method == "draft":
-                draft, _, draft_tok = _load(cfg.speculative_model, dtype, device, progress)
-                _check_same_vocab(tokenizer, draft_tok, cfg.speculative_model)
             self.proposer = make_proposer(
                 cfg.speculative_method, model=model, draft_model=draft, k=cfg.num_speculative_tokens, device=device,
                 block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,

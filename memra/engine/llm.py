@@ -52,9 +52,19 @@ class LLM:
 
     def __init__(self, model: str | Path, dtype: str | None = None, max_model_len: int | None = None,
                  progress: bool = False, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
-                                             **engine_options), progress=progress)
-        e = self.engine
+        self._attach(LLMEngine(EngineConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
+                                            **engine_options), progress=progress))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An :class:`LLM` over an already built engine (for example one built with ``model=`` to
+        share loaded weights between engines of different settings)."""
+        self = cls.__new__(cls)
+        self._attach(engine)
+        return self
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = e = engine
         self.model, self.checkpoint, self.tokenizer, self.config = e.model, e.checkpoint, e.tokenizer, e.config
         self.eos_ids, self.max_model_len, self.load_seconds = e.eos_ids, e.max_model_len, e.load_seconds
         self._next_id = 0

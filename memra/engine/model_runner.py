@@ -89,21 +89,48 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]], hidden: bool = False) -> StepLogits:
         """Compute ``n`` new tokens of each ``(request, n)``; K/V go into the cache. ``hidden``: also
-        return every request's pre-norm hidden rows (MTP drafting; the step then runs eagerly).
+        return every request's pre-norm hidden rows (MTP drafting). Decode-only steps, verify steps
+        included, replay a CUDA graph when their query rows fit its largest batch.
 
         Does not advance ``num_computed_tokens`` (the engine does, after sampling).
         """
         g = self.graphs
-        if (g is not None and not hidden and len(items) <= g.max_batch
-                and all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens and not req.spec_tokens
+        if (g is not None and sum(n for _, n in items) <= g.max_batch
+                and all(n == 1 + len(req.spec_tokens) and req.num_computed_tokens + 1 == req.num_tokens
                         for req, n in items)):
-            # (such a row never needs prompt-logprob rows: those end at len(prompt) - 1 <= its position)
+            # decodes, with or without drafts: one graph row per query token (a verify step's rows
+            # share their sequence's block table). Such rows never need prompt-logprob rows:
+            # those end at len(prompt) - 1 <= the first row's position.
             self.num_graph_steps += 1
-            reqs = [req for req, _ in items]
-            logits = g.run([req.all_token_ids[req.num_computed_tokens] for req in reqs],
-                           [req.num_computed_tokens for req in reqs], [req.block_tables for req in reqs])
+            ids, pos, tables = [], [], []
+            for req, n in items:
+                s = req.num_computed_tokens
+                ids.extend([req.all_token_ids[s]] + req.spec_tokens)
+                pos.extend(range(s, s + n))
+                tables.extend([req.block_tables] * n)
+            logits = g.run(ids, pos, tables)
             out = StepLogits()
-            self._sample_rows(out, reqs, logits)
+            if hidden:
+                pre, off = g.hidden(), 0
+                for req, n in items:
+                    out.hidden[id(req)] = (req.num_computed_tokens, pre[off:off + n])
+                    off += n
+            plain, rows, off, verify = [], [], 0, []
+            for req, n in items:
+                if n == 1:
+                    plain.append(req)
+                    rows.append(off)
+                else:
+                    verify.append((req, off, n))
+                off += n
+            if verify:  # every verify row to the host in one copy
+                host = logits[torch.cat([torch.arange(o, o + n) for _, o, n in verify]).to(logits.device)].cpu()
+                r = 0
+                for req, _, n in verify:
+                    out.verify[id(req)] = host[r:r + n]
+                    r += n
+            if plain:
+                self._sample_rows(out, plain, logits[torch.tensor(rows, device=logits.device)] if verify else logits)
             return out
         self.num_eager_steps += 1
         ids, pos, chunks = [], [], []

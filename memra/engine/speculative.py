@@ -208,7 +208,7 @@ class DraftModelProposer:
         hid = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                          self.cache.batch(chunks))
         nxt = self.model.logits(hid[last]).argmax(dim=-1).tolist()
-        for (req, seq, k), t in zip(live, nxt):
+        for (req, seq, _), t in zip(live, nxt):
             seq.num_computed_tokens = req.num_tokens
             out[id(req)] = [t]
         # rounds 1 .. k-1: one position per still-drafting request
@@ -355,7 +355,7 @@ class MTPProposer:
             zs = self.model.mtp_forward(j, torch.cat(hs), torch.tensor(ids, device=self.device),
                                         torch.tensor(pos, device=self.device), kv=self.cache.batch(chunks))
             off = 0
-            for (req, st, s, limit, end, drafting), c in zip(updates, chunks):
+            for (req, st, s, limit, _, drafting), c in zip(updates, chunks):
                 z = zs[off:off + c.num_new]
                 off += c.num_new
                 nxt[id(req)] = (s, z, st.carry[j])
@@ -383,6 +383,30 @@ class MTPProposer:
     def release(self, alive: set[int]) -> None:
         for rid in [r for r in self.states if r not in alive]:
             self._drop(rid)
+
+
+def proposer_cache_share(method: str, memory: int, groups: list[KVGroupSpec], model, draft, dtype: torch.dtype,
+                         k: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                         max_num_batched_tokens: int) -> int:
+    """Bytes of a KV budget ``memory`` left to the engine's own cache once the proposer's is set aside.
+
+    ``mtp``: its window-bounded cache (:class:`MTPProposer` sizing) comes off the top. ``draft``: the
+    budget is split in proportion to the bytes per token of the two models' caches (the draft cache
+    holds about as many tokens as the engine's). Raises ValueError if nothing is left."""
+    def per_token(gs: list[KVGroupSpec]) -> int:
+        return sum(g.block_bytes(block_size, dtype) for g in gs if g.window is None) // block_size
+
+    if method == "mtp":
+        gs = layer_groups(model.config.mtp_layers[:k])
+        blocks = _OwnCache.size(gs, block_size, max_num_seqs, max_model_len, max_num_batched_tokens + k + 1)
+        left = memory - sum(g.block_bytes(block_size, dtype) * b for g, b in zip(gs, blocks))
+    else:
+        mine, theirs = per_token(groups), per_token(layer_groups(draft.config.layers))
+        left = memory * mine // max(1, mine + theirs) if mine and theirs else memory // 2
+    if left <= 0:
+        raise ValueError(f"the KV-cache budget of {memory / 2**20:.0f} MiB leaves nothing for the model once the "
+                         f"{method} proposer's cache is set aside: give more (--kv-cache-memory)")
+    return left
 
 
 def make_proposer(method: str, *, model=None, draft_model=None, k: int = 3, device: torch.device | str = "cpu",
