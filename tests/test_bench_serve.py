@@ -42,6 +42,7 @@ class FakeServer:
         self.stream_error: set[int] = set()  # stream one chunk, then an error object
         self.truncated: set[int] = set()  # two chunks, then a clean end without finish_reason or [DONE]
         self.bodies: list[dict] = []
+        self.spec = False  # expose memra's speculative-decoding counters on /metrics
         self.arrivals = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -104,7 +105,21 @@ class FakeServer:
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 
-        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+        async def metrics(request):
+            from starlette.responses import PlainTextResponse
+
+            if not fake.spec:
+                return PlainTextResponse("# no speculation\n")
+            n = fake.arrivals  # every request: 2 verify steps, 3 drafts accepted (1 + 3/2 = 2.5 per step)
+            lines = ["# TYPE memra:spec_decode_num_accepted_tokens counter",
+                     f'memra:spec_decode_num_accepted_tokens_total{{model_name="fake"}} {3 * n}',
+                     "# TYPE memra:spec_decode_num_draft_tokens_per_pos counter"]
+            lines += [f'memra:spec_decode_num_draft_tokens_per_pos_total{{model_name="fake",position="{j}"}} '
+                      f'{(2 - j) * n}' for j in range(2)]
+            return PlainTextResponse("\n".join(lines) + "\n")
+
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/metrics", metrics)])
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +373,13 @@ def test_llamacpp_server_end_to_end(tmp_path):
         # both in flight at once: the second's first token arrives before the first one finishes
         first_end = reqs[0]["start_s"] + reqs[0]["e2e_s"]
         assert reqs[1]["start_s"] + reqs[1]["ttft_s"] < first_end
+
+def test_mean_accepted_length_from_the_servers_counters(fake):
+    fake.reset(port=fake.port, first_delay=0.01, gap=0.0, spec=True)
+    res = run_serve_benchmark(cfg(fake, max_concurrency=[2, 4]), log=lambda s: None)
+    assert [r["summary"]["mean_accepted_length"] for r in res["results"]] == [2.5, 2.5]
+    assert "accepted" in format_table(res["results"])
+    fake.reset(port=fake.port, first_delay=0.01, gap=0.0)
+    res = run_serve_benchmark(cfg(fake), log=lambda s: None)
+    assert res["results"][0]["summary"]["mean_accepted_length"] is None
+    assert "accepted" not in format_table(res["results"])

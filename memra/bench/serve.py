@@ -301,6 +301,33 @@ def _url(cfg: BenchConfig) -> str:
     return cfg.base_url.rstrip("/") + "/v1/" + cfg.endpoint
 
 
+def spec_counters(cfg: BenchConfig) -> tuple[float, float] | None:
+    """(verify steps with a draft, accepted draft tokens) from the server's ``/metrics`` (memra's
+    ``memra:spec_decode_num_draft_tokens_per_pos`` at position 0 and
+    ``memra:spec_decode_num_accepted_tokens``), or None when the server exposes no such counters
+    (speculation off, another server, no /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(cfg.base_url.rstrip("/") + "/metrics", headers=_headers(cfg), timeout=10.0, trust_env=False)
+        if r.status_code != 200:
+            return None
+        steps = accepted = None
+        for fam in text_string_to_metric_families(r.text):
+            for smp in fam.samples:
+                if not smp.name.endswith("_total"):  # (a counter's _created sample is a timestamp)
+                    continue
+                if smp.name.startswith("memra:spec_decode_num_draft_tokens_per_pos") and \
+                        smp.labels.get("position") == "0":
+                    steps = (steps or 0.0) + smp.value
+                elif smp.name.startswith("memra:spec_decode_num_accepted_tokens") and "per_pos" not in smp.name:
+                    accepted = (accepted or 0.0) + smp.value
+    except (httpx.HTTPError, ValueError):
+        return None
+    return None if steps is None or accepted is None else (steps, accepted)
+
+
 def _payload(cfg: BenchConfig, prompt: list[int] | str, max_tokens: int, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": cfg.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                             "stream": stream}
@@ -531,6 +558,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
     w = 9
     head1 = "".join(f"{'':>{n}}" for _, n in cols) + "".join(f"{name + ' ms (mean/med/p99)':^{3 * w}}" for name, _ in metrics)
     head2 = "".join(f"{c:>{n}}" for c, n in cols) + "".join(f"{s:>{w}}" for _ in metrics for s in ("mean", "median", "p99"))
+    spec = any(res["summary"].get("mean_accepted_length") is not None for res in results)
+    if spec:
+        head1, head2 = head1 + f"{'':>10}", head2 + f"{'accepted':>10}"
     lines = [head1.rstrip(), head2, "-" * len(head2)]
     for res in results:
         s = res["summary"]
@@ -540,6 +570,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
         for _, key in metrics:
             for q in ("mean", "median", "p99"):
                 row += f"{_f(s[key][q], '.1f'):>{w}}"
+        if spec:
+            row += f"{_f(s.get('mean_accepted_length'), '.2f'):>10}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -599,8 +631,13 @@ def run_serve_benchmark(cfg: BenchConfig, log=print, dataset: Dataset | None = N
     for c, prompts in zip(cfg.max_concurrency, ds.levels):
         log(f"[{cfg.label or cfg.base_url}] max_concurrency={c}: {cfg.num_prompts} requests, "
             f"input {cfg.input_len}, output {cfg.output_len}, rate {cfg.request_rate} req/s")
+        before = spec_counters(cfg)
         records, duration = asyncio.run(run_level(cfg, prompts, lens, c))
         summary = summarize(records, duration, cfg.output_len)
+        after = spec_counters(cfg)
+        # mean accepted length: tokens a verify step yields per sequence (accepted drafts + 1)
+        summary["mean_accepted_length"] = (1 + (after[1] - before[1]) / (after[0] - before[0])
+                                           if before and after and after[0] > before[0] else None)
         for e in summary["errors"]:
             log(f"  error: {e}")
         reqs = []
