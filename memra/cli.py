@@ -23,6 +23,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="GPU: fraction of the device's memory to use in all (weights, activations, graphs, "
                         "and the KV cache, which gets what is left)")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    p.add_argument("--attention-weights", default="auto", choices=["auto", "fp8"],
+                   help="GPU: attention projections as loaded (auto), or bf16 ones requantized to FP8 "
+                        "block 128x128 at load (fp8: half their bytes per decode step)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (None: torch's default, one per core); on a busy machine 1 "
                         "avoids oversubscription")
@@ -86,7 +89,7 @@ def _load(a: argparse.Namespace):
 
     return LLM(a.model, dtype=a.dtype, progress=True, device=a.device,
                gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-               **_speculative(a))
+               attention_weights=a.attention_weights, **_speculative(a))
 
 
 def _speculative(a: argparse.Namespace) -> dict:
@@ -202,7 +205,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        kv_cache_blocks=a.kv_cache_blocks, kv_cache_memory=a.kv_cache_memory,
                        enable_prefix_caching=not a.no_prefix_caching, device=a.device,
                        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-                       **_speculative(a))
+                       attention_weights=a.attention_weights, **_speculative(a))
     return run_server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                       max_queue=a.max_queue, log_level=a.log_level, max_body_bytes=a.max_request_body,
                       chat_template_timeout_s=a.chat_template_timeout, tool_call_parser=a.tool_call_parser,

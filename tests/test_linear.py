@@ -59,3 +59,24 @@ def test_dense_fp32_is_exact_and_mixed_formats_fall_back():
     torch.testing.assert_close(lin32(x), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_requantize_fp8_blocks_bf16_gpu_weights_only():
+    """Linear.requantize_fp8 (``--attention-weights fp8``): a bf16 packed weight becomes FP8 E4M3 with
+    one scale per 128x128 block whose dequantization is the reference quantizer's; quantized
+    weights are left alone; the CPU path is refused."""
+    from memra.kernels.gemv import dequantize_packed
+    from memra.quant.fp8 import quantize_fp8_block
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 256, generator=g) * torch.linspace(0.1, 3.0, 300)[:, None]  # rows of different scale
+    lin = Linear(QTensor("w", QType.BF16, (300, 256), w.to(torch.bfloat16)), None, torch.float32)
+    with pytest.raises(ValueError, match="not on the GPU"):
+        lin.requantize_fp8()
+    lin.to_gpu("cpu")
+    bf16 = lin.packed_weight.data.float()
+    assert lin.requantize_fp8()
+    p = lin.packed_weight
+    assert p.fmt == "fp8" and tuple(p.scale.shape) == (3, 2)
+    want = quantize_fp8_block(bf16).dequantize(torch.float32)
+    assert torch.equal(dequantize_packed(p).float(), want)
+    assert (want - bf16).abs().max() <= bf16.abs().max() / 16  # E4M3: 3 mantissa bits
+    assert not lin.requantize_fp8()  # already FP8

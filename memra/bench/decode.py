@@ -126,6 +126,13 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     print(f"built {a.geometry} ({config.num_layers} layers, experts {a.expert_format}) in {build_s:.0f} s: "
           f"{sum(wbytes.values()) / 1e9:.1f} GB of weights, {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated",
           flush=True)
+    accuracy = None
+    if a.attention_weights == "fp8":
+        accuracy = fp8_attention_accuracy(model, a.seed)
+        print(f"FP8 attention weights ({accuracy['requantized']} weights): over {accuracy['tokens']} teacher-forced "
+              f"tokens, top-1 agreement with bf16 {accuracy['top1_agreement']:.4f}, max |logit error| "
+              f"{accuracy['max_abs_logit_error']:.4f} (logits up to {accuracy['max_abs_logit']:.2f})", flush=True)
+        wbytes = _weight_bytes(model)
     acct = step35_bytes(config, a.context)
     fmt = "nvfp4" if a.expert_format == "nvfp4" else "bf16"
 
@@ -168,6 +175,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     res = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format, "mtp": a.mtp,
+        "attention_weights": a.attention_weights, "fp8_attention_accuracy": accuracy,
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
         "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
@@ -175,6 +183,31 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         "results": results,
     }
     return res
+
+
+def fp8_attention_accuracy(model, seed: int, tokens: int = 256) -> dict:
+    """Requantize ``model``'s attention projections to FP8 block (in place) and compare its logits
+    with the bf16 ones over ``tokens`` random tokens, teacher-forced in one prefill: top-1 agreement
+    and the largest absolute logit error."""
+    import torch
+
+    from ..engine.kv_cache import ContiguousKVCache
+
+    dev = model.lm_head.packed_weight.data.device
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed + 3))
+    ids, pos = ids.to(dev), torch.arange(tokens, device=dev)
+
+    def logits():
+        with torch.inference_mode():
+            kv = ContiguousKVCache(model.config, tokens, torch.bfloat16, dev)
+            return model.logits(model(ids, pos, kv))
+
+    ref = logits()
+    n = model.quantize_attention("fp8")
+    got = logits()
+    return {"tokens": tokens, "requantized": n,
+            "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            "max_abs_logit_error": float((ref - got).abs().max()), "max_abs_logit": float(ref.abs().max())}
 
 
 def _bench_batch(a, model, runner, cache, tables, groups, b, wbytes, expert_bytes, copy_bw) -> dict:
@@ -302,8 +335,9 @@ def _phases(model, ids, pos, kv, reps: int) -> tuple[dict[str, float], list[int]
 def print_table(res: dict) -> None:
     """The result as a table (ms, tok/s, % of the byte roofline, phase split)."""
     bw = res["copy_bandwidth_Bps"] / 1e12
+    attn = "attention FP8 block, " if res.get("attention_weights") == "fp8" else ""
     print(f"\nmemra bench decode: {res['geometry']} ({res['layers']} layers, routed experts {res['expert_format']}, "
-          f"other weights bf16), context {res['context']}, {res['machine']}, copy {bw:.2f} TB/s, "
+          f"{attn}other weights bf16), context {res['context']}, {res['machine']}, copy {bw:.2f} TB/s, "
           f"commit {res['commit']}")
     cr = res["config_roofline_batch1"]
     print(f"config-only roofline at batch 1: {cr['decode_bytes'] / 1e9:.2f} GB weights + {cr['kv_bytes'] / 1e9:.3f} GB "
@@ -347,6 +381,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, tokens and KV contents")
     p.add_argument("--reps", type=int, default=30, help="timed replays per measurement (median)")
+    p.add_argument("--attention-weights", default="bf16", choices=["bf16", "fp8"],
+                   help="attention projections: bf16, or requantized to FP8 block 128x128 (then the bench also "
+                        "reports the logits' agreement with bf16 over 256 tokens)")
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
                    help="forced accepted lengths (tokens per sequence per step, bonus included)")

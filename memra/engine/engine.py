@@ -56,6 +56,9 @@ class EngineConfig:
             device's memory minus weights, activations and graphs (unless sized explicitly).
         gpu_memory_utilization: fraction of the GPU's memory memra may use in all (0 < f <= 1).
         enforce_eager: GPU: run every step eagerly (no CUDA graphs).
+        attention_weights: GPU: ``"auto"`` keeps the attention projections as loaded; ``"fp8"``
+            requantizes bf16 ones to FP8 block 128x128 at load (half the bytes a decode step reads
+            for them; :meth:`~memra.models.base.CausalLM.quantize_attention`).
         speculative_method: ``"ngram"`` (prompt lookup), ``"draft"`` (a draft model) or ``"mtp"``
             (the model's MTP layers) to speculate (memra/engine/speculative.py), None not to.
         num_speculative_tokens: most draft tokens per request per step (1..8; for ``mtp`` at most
@@ -78,6 +81,7 @@ class EngineConfig:
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    attention_weights: str = "auto"
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     speculative_max_batch: int = 8
@@ -113,6 +117,10 @@ class EngineConfig:
                                  f"{self.speculative_model!r})")
         elif self.speculative_model is not None:
             raise ValueError("speculative_model is set but speculative_method is not: add speculative_method='draft'")
+        if self.attention_weights not in ("auto", "fp8"):
+            raise ValueError(f"attention_weights={self.attention_weights!r}: supported are 'auto' and 'fp8'")
+        if self.attention_weights == "fp8" and dev.type != "cuda":
+            raise ValueError("attention_weights='fp8' needs a GPU (the FP8 decode kernels); on the CPU use 'auto'")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if self.dtype is None:
@@ -215,6 +223,7 @@ class LLMEngine:
                 model.to_gpu(device, dtype)
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
+        model.quantize_attention(cfg.attention_weights)
         self.eos_ids = sorted(set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         ctx = self.config.max_position_embeddings
         if cfg.max_model_len is not None and not (1 <= cfg.max_model_len <= ctx):

@@ -130,6 +130,24 @@ class Linear(KernelLayer):
             self.bias = self.bias.to(device, dtype)
         self.kernel, self.dtype, self.kernels = "gpu", dtype, True
 
+    def requantize_fp8(self) -> bool:
+        """GPU form only: requantize a bf16 packed weight to FP8 E4M3 with one fp32 scale per
+        128x128 block (``scale = block absmax / 448``, memra/quant/fp8.py ``quantize_fp8_block``,
+        the DeepSeek-V3 / Step-3.5-FP8 recipe), decoded by the FP8 GEMV kernel. Weights already in a
+        quantized format are left as they are. Returns whether the weight changed.
+
+        Raises: ValueError if the layer is not on its GPU path."""
+        from ..kernels.gemv import pack_fp8
+        from ..quant.fp8 import quantize_fp8_block
+
+        if self.kernel != "gpu":
+            raise ValueError("requantize_fp8: the layer is not on the GPU (to_gpu first)")
+        w = self.packed_weight
+        if w.fmt != "bf16":
+            return False
+        self.packed_weight = pack_fp8(quantize_fp8_block(w.data, name=w.name))
+        return True
+
     @property
     def weight(self) -> torch.Tensor:
         """The weight the kernel computes with, dense [out_features, in_features] in ``dtype``."""

@@ -169,6 +169,27 @@ class CausalLM(nn.Module):
         """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
 
+    def quantize_attention(self, fmt: str) -> int:
+        """GPU form only: hold every attention layer's projections (fused QKV(+gate) and output,
+        MTP layers' included) in ``fmt``: ``"fp8"`` requantizes bf16 ones to FP8 block 128x128
+        (:meth:`~memra.layers.linear.Linear.requantize_fp8`), ``"auto"`` keeps them as loaded.
+        Returns the number of weights changed.
+
+        Raises: ValueError for another ``fmt`` or a model not moved to the GPU."""
+        from ..layers.attention import Attention
+
+        if fmt == "auto":
+            return 0
+        if fmt != "fp8":
+            raise ValueError(f"attention weights {fmt!r}: supported are 'auto' (as loaded) and 'fp8'")
+        n = 0
+        for m in self.modules():
+            if isinstance(m, Attention):
+                n += int(m.qkv.requantize_fp8()) + int(m.o.requantize_fp8())
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the bf16 copies' memory
+        return n
+
     def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> CausalLM:
         """Move the model to a CUDA ``device`` in place and return it.
 
