@@ -142,8 +142,8 @@ class ModelRunner:
         # the attention backend of a mixed step: the paged Triton kernels when the cache is on a GPU
         kv = PagedBatch(self.cache, chunks, use_kernels=self.device.type == "cuda")
         out = StepLogits()
-        hid = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), kv,
-                         both=hidden)
+        args = (torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), kv)
+        hid = self.model(*args, both=True) if hidden else self.model(*args)
         if hidden:
             hid, pre = hid
             off = 0
