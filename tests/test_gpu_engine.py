@@ -603,21 +603,47 @@ def test_mtp_speculation_on_gpu_keeps_greedy_output(tmp_path):
 def test_fp8_attention_weights_on_gpu(tmp_path):
     """``attention_weights="fp8"``: every attention projection (MTP layers' too) requantized to FP8
     block; the tiny Step model's teacher-forced logits over 256 tokens against bf16 (printed; the
-    issue's accuracy report), and the engine generating with it."""
+    issue's accuracy report) must agree with a CPU fp32 emulation of the same quantization (weights
+    FP8-rounded, then plain torch): random tiny models amplify the rounding (about 82 % top-1 either
+    way), so the check is that the GPU kernels add nothing to it. Then the engine generates with it."""
     from step35_tiny import N_LAYERS, N_MTP, make_tensors, write_llm_dir
 
     from memra.bench.decode import fp8_attention_accuracy
+    from memra.engine.kv_cache import ContiguousKVCache
     from memra.engine.llm import LLM
     from memra.engine.sampling import SamplingParams
+    from memra.layers.attention import Attention
     from memra.models import load_model
+    from memra.quant.fp8 import quantize_fp8_block
+    from memra.quant.tensor import QTensor
+    from memra.quant.types import QType
 
     d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
     model, _ = load_model(d, torch.bfloat16, device="cuda")
     acc = fp8_attention_accuracy(model, 0)
-    print(f"\ntiny Step, FP8 attention vs bf16: {acc}")
+    print(f"\ntiny Step, FP8 attention vs bf16 (GPU): {acc}")
     assert acc["requantized"] == 2 * (N_LAYERS + N_MTP)
-    assert acc["top1_agreement"] >= 0.8 and acc["max_abs_logit_error"] < 0.1 * acc["max_abs_logit"], acc
     del model
+    # the CPU emulation on the same tokens (fp8_attention_accuracy's seed 0 + 3)
+    cpu, _ = load_model(d, torch.float32)
+    ids = torch.randint(3, cpu.config.vocab_size, (256,), generator=torch.Generator().manual_seed(3))
+
+    def logits():
+        with torch.no_grad():
+            return cpu.logits(cpu(ids, torch.arange(256), ContiguousKVCache(cpu.config, 256)))
+
+    ref = logits()
+    for m in cpu.modules():
+        if isinstance(m, Attention):
+            for lin in (m.qkv, m.o):
+                q = quantize_fp8_block(lin.weight.to(torch.bfloat16)).dequantize(torch.float32)
+                lin.__init__(QTensor("w", QType.F32, tuple(q.shape), q), None, torch.float32)
+    got = logits()
+    emu_top1 = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    emu_err = float((ref - got).abs().max())
+    print(f"CPU fp32 emulation: top-1 {emu_top1:.4f}, max |logit error| {emu_err:.4f}")
+    assert abs(acc["top1_agreement"] - emu_top1) <= 0.05, (acc, emu_top1)
+    assert 0.5 * emu_err <= acc["max_abs_logit_error"] <= 1.5 * emu_err, (acc, emu_err)
     llm = LLM(str(d), device="cuda", max_model_len=256, attention_weights="fp8")
     assert llm.engine.model.layers[0].attn.qkv.packed_weight.fmt == "fp8"
     out = llm.generate([[0, 5, 9, 17]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
