@@ -280,8 +280,7 @@ class LLMEngine:
                 cfg.speculative_method, model=model, draft_model=draft, k=cfg.num_speculative_tokens, device=device,
                 block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                main_blocks=max(b for g, b in zip(groups, blocks) if g.window is None)
-                if any(g.window is None for g in groups) else max(blocks))
+                main_blocks=max(blocks))  # (a full-attention group's count: sliding ones are capped below it)
         self.spec_drafted = [0] * cfg.num_speculative_tokens  # per draft position: proposed, accepted
         self.spec_accepted = [0] * cfg.num_speculative_tokens
         self._parents: dict[str, _Parent] = {}

@@ -321,6 +321,7 @@ class MTPProposer:
                 continue
             work.append((req, st, rows, min(room.get(id(req), 0), K)))
         out = {id(req): [] for req, *_ in work}
+        toks = {id(req): list(req.all_token_ids) for req, *_ in work}  # verified tokens, then this round's drafts
         if not work:
             return out
         logits_rec: dict[int, list[torch.Tensor]] = {}
@@ -344,14 +345,14 @@ class MTPProposer:
                     z = torch.cat([carried[None], z])
                     p0 = s
                 assert p0 == s and p0 + z.shape[0] >= end, (j, s, p0, z.shape, end)
-                toks = req.all_token_ids + out[id(req)]
                 chunks.append(SeqChunk(s - st.base, end - s, st.seq.block_tables))
                 hs.append(z[:end - s])
-                ids.extend(toks[s + 1 + j:end + 1 + j])
+                ids.extend(toks[id(req)][s + 1 + j:end + 1 + j])
                 pos.extend(range(s, end))
                 updates.append((req, st, s, limit, end, j < kd))
             if not chunks:
-                break
+                prev = nxt
+                continue
             zs = self.model.mtp_forward(j, torch.cat(hs), torch.tensor(ids, device=self.device),
                                         torch.tensor(pos, device=self.device), kv=self.cache.batch(chunks))
             off = 0
@@ -368,6 +369,7 @@ class MTPProposer:
                 lg = self.model.mtp[j].logits(zs[torch.tensor([r for _, r in heads], device=self.device)])
                 for (req, _), t, row in zip(heads, lg.argmax(dim=-1).tolist(), lg):
                     out[id(req)].append(t)
+                    toks[id(req)].append(t)
                     if self.record is not None:
                         logits_rec.setdefault(id(req), []).append(row.float().cpu())
             prev = nxt
