@@ -193,6 +193,36 @@ def test_many_tokens_one_expert(fmt, prefetch):
     assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 1.0)) <= (2e-3 if fmt == "nvfp4" else 1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_combine_modes_and_batch_invariance(fmt):
+    """Both combines agree with the reference; the default per-pair combine ("sum") makes a
+    token's output bit-identical whatever the other tokens of the call are (batch invariance),
+    and alone (T = 1) as inside a batch when the launch tiles are the same."""
+    i = _i(fmt)
+    gu, down, _ = _banks(fmt, i, seed=12)
+    g = torch.Generator().manual_seed(13)
+    t = 4
+    index, weight = _routing(t, 3, 6, g)
+    x = torch.randn(t, D, generator=g)
+    add = torch.randn(t, D, generator=g)
+    r = moe_decode_ref(x, index, weight, gu, down, 0.5) + add
+    tol = 2e-3 if fmt == "nvfp4" else 1e-5
+    cfg = _big_tiles(fmt, t, i)
+    assert cfg.combine == "sum"
+    for c in ("sum", "atomic"):
+        y = moe_decode(x, index, weight, gu, down, 0.5, add=add, config=dataclasses.replace(cfg, combine=c))
+        assert _rel(y, r) <= tol, (fmt, c)
+    y = moe_decode(x, index, weight, gu, down, 0.5, config=cfg)
+    index2, weight2 = _routing(t, 3, 6, g)
+    x2 = torch.randn(t, D, generator=g)
+    index2[1], weight2[1], x2[1] = index[1], weight[1], x[1]
+    y2 = moe_decode(x2, index2, weight2, gu, down, 0.5, config=cfg)
+    y1 = moe_decode(x[1:2], index[1:2], weight[1:2], gu, down, 0.5, config=cfg)
+    assert torch.equal(y[1], y2[1]) and torch.equal(y[1], y1[0]), fmt
+    with pytest.raises(ValueError, match="invalid config"):
+        moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, combine="tree"))
+
+
 def test_add_accumulates_onto_the_given_tensor():
     """``add=`` (the shared expert's output): y = routed sum + add, add itself untouched."""
     gu, down, _ = _banks("q8_0", _i("q8_0"), seed=10)

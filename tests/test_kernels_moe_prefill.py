@@ -27,6 +27,7 @@ from memra.kernels.moe_prefill import (  # noqa: E402
     MoePrefillConfig,
     align_sizes,
     default_prefill_config,
+    grouped_decode_config,
     moe_align,
     moe_prefill,
     moe_prefill_ref,
@@ -142,6 +143,71 @@ def test_moe_align_invariants():
         moe_align(index.float(), 8, 16)
     with pytest.raises(ValueError, match="block_m"):
         moe_align(index, 8, 0)
+
+
+def test_moe_align_triton_equals_torch():
+    """The one-launch alignment (method "triton", decode-size calls) gives exactly the torch
+    version's sorted_ids, block_expert and used blocks: uniform, skewed and few-expert routings,
+    several block sizes, T = 1..256 at the flagship's E = 288."""
+    g = torch.Generator().manual_seed(3)
+    cases = [(1, 8, 288, 16), (2, 8, 288, 16), (16, 8, 288, 16), (64, 8, 288, 16), (7, 3, 8, 16), (33, 3, 8, 32),
+             (5, 2, 4, 64), (40, 4, 9, 16)]
+    for t, k, e, bm in cases:
+        for kind in ("uniform", "skewed", "few"):
+            if kind == "uniform":
+                index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            elif kind == "skewed":
+                index = torch.stack([torch.cat([torch.tensor([0]), torch.randperm(e - 1, generator=g)[: k - 1] + 1])
+                                     for _ in range(t)])
+            else:
+                index = torch.stack([torch.randperm(k, generator=g) + k for _ in range(t)]) % e
+            ref = moe_align(index, e, bm)
+            got = moe_align(index, e, bm, method="triton")
+            for a, b, what in zip(ref, got, ("sorted_ids", "block_expert", "used")):
+                assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (t, k, e, bm, kind, what)
+    with pytest.raises(ValueError, match="method"):
+        moe_align(index, e, 16, method="cuda")
+
+
+def _routing_wide(t: int, k: int, g: torch.Generator):
+    index = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(t)])
+    return index, torch.rand(t, k, generator=g) + 0.1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_decode_path(fmt):
+    """The multi-token decode configuration (grouped_decode_config: 16-row blocks, one-launch
+    alignment, per-pair combine, exact fp8 weights, swap_ab for non-fp8) vs moe_prefill_ref at
+    T = 2 and 5, with ``add``; and batch invariance: each token's output row is bit-identical
+    (torch.equal) whether the other tokens of the call are different tokens or absent."""
+    i = _i(fmt)
+    gu, down = _banks(fmt, i, seed=7)
+    g = torch.Generator().manual_seed(8)
+    for t, dt, limit in ((2, torch.float32, 0.5), (5, torch.float16, None)):
+        cfg = grouped_decode_config(fmt, t, 3, E, i, D)
+        assert cfg.combine == "sum" and cfg.align == "triton" and not cfg.fp8_act and cfg.block_m == 16
+        index, weight = _routing_wide(t, 3, g)
+        x = torch.randn(t, D, generator=g).to(dt)
+        add = torch.randn(t, D, generator=g).to(dt)
+        y = moe_prefill(x, index, weight, gu, down, limit, add=add, config=cfg)
+        r = moe_prefill_ref(x, index, weight, gu, down, limit, add=add)
+        assert y.dtype == dt and _rel(y, r) <= (1e-5 if dt == torch.float32 else 2e-3), (fmt, t, _rel(y, r))
+    # batch invariance: rows 0 and 2 of a 4-token call vs the same tokens among other tokens / alone
+    t = 4
+    cfg = grouped_decode_config(fmt, t, 3, E, i, D)
+    index, weight = _routing_wide(t, 3, g)
+    x = torch.randn(t, D, generator=g)
+    y = moe_prefill(x, index, weight, gu, down, 0.5, config=cfg)
+    index2, weight2 = _routing_wide(t, 3, g)
+    x2 = torch.randn(t, D, generator=g)
+    for r_ in (0, 2):
+        index2[r_], weight2[r_], x2[r_] = index[r_], weight[r_], x[r_]
+    y2 = moe_prefill(x2, index2, weight2, gu, down, 0.5, config=cfg)
+    keep = [0, 2]
+    y3 = moe_prefill(x[keep].contiguous(), index[keep].contiguous(), weight[keep].contiguous(), gu, down, 0.5,
+                     config=grouped_decode_config(fmt, 2, 3, E, i, D))
+    assert torch.equal(y[0], y2[0]) and torch.equal(y[2], y2[2]), fmt
+    assert torch.equal(y[keep], y3), fmt
 
 
 # ---------------------------------------------------------------------------------------
@@ -484,3 +550,50 @@ def test_flagship_cuda_graph(fmt, flagship_banks):
             ref = moe_prefill_ref(xs.float(), index, weight, gu, down, 7.0, fp8_act=fmt == "fp8")
             assert _rel(ys, ref) <= BF16_TOL, (fmt, t, _rel(ys, ref))
         del graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16", "q8_0"])
+def test_flagship_grouped_decode(fmt, flagship_banks):
+    """The multi-token decode path (grouped_decode_config) at the flagship shape, T = 2..256:
+    vs the fp32 reference (with ``add``), batch invariance (a token's row bit-identical among
+    other tokens and alone in a 2-token call), and CUDA-graph capture with moe_route."""
+    from memra.kernels.moe_decode import moe_route
+
+    gu, down, gen = flagship_banks(fmt)
+    for t in (2, 4, 16, 64, 256):
+        cfg = grouped_decode_config(fmt, t)
+        for kind in ("uniform", "skewed"):
+            index, weight = _flag_routing(t, kind, gen)
+            x = torch.randn(t, FLAG["d"], device="cuda", generator=gen).to(torch.bfloat16) * 0.5
+            add = torch.randn(t, FLAG["d"], device="cuda", generator=gen).to(torch.bfloat16) * 0.1
+            r = moe_prefill_ref(x.float(), index, weight, gu, down, 7.0, add=add.float())
+            y = moe_prefill(x, index, weight, gu, down, 7.0, add=add, config=cfg)
+            assert y.dtype == torch.bfloat16 and _rel(y, r) <= BF16_TOL, (fmt, t, kind, _rel(y, r))
+            y_again = moe_prefill(x, index, weight, gu, down, 7.0, add=add, config=cfg)
+            assert torch.equal(y, y_again), (fmt, t, kind, "run-to-run")
+            keep = [0, t - 1]
+            y2 = moe_prefill(x[keep].contiguous(), index[keep].contiguous(), weight[keep].contiguous(), gu, down,
+                             7.0, add=add[keep].contiguous(), config=grouped_decode_config(fmt, 2))
+            assert torch.equal(y[keep], y2), (fmt, t, kind, "batch invariance")
+    router = torch.randn(288, 4096, device="cuda", generator=gen) * 0.02
+    xs = torch.randn(16, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    ys = torch.empty_like(xs)
+
+    def step():
+        index, weight = moe_route(xs, router, None, 8, 3.0)
+        ys.copy_(moe_prefill(xs, index, weight, gu, down, 7.0, config=grouped_decode_config(fmt, 16)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    xs.copy_(torch.randn(16, 4096, device="cuda", generator=gen).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    index, weight = moe_route(xs, router, None, 8, 3.0)
+    assert _rel(ys, moe_prefill_ref(xs.float(), index, weight, gu, down, 7.0)) <= BF16_TOL

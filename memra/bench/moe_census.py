@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels.moe_decode import default_moe_config, moe_decode, moe_decode_ref, moe_route
+from ..kernels.moe_prefill import grouped_decode_config, moe_prefill
 from .common import FLAGSHIP, copy_bandwidth, cuda_graph_us, random_moe, random_routing
 
 
@@ -120,6 +121,106 @@ def moe_config_sweep(ts=(1, 2), fmt: str = "nvfp4", configs=None, device: str = 
     return out
 
 
+def grouped_candidates(fmt: str, t: int) -> list:
+    """The launch configurations the curve tries for the multi-token (grouped tensor-core) path:
+    :func:`~memra.kernels.moe_prefill.grouped_decode_config` and variants of its tiles, warps,
+    stages and operand order (fp8 keeps block_k <= 128 and no swap)."""
+    base = grouped_decode_config(fmt, t)
+    c = [base, replace(base, block_n=128, block_n_down=128), replace(base, block_n=32, block_n_down=32),
+         replace(base, num_warps=8), replace(base, num_stages=4), replace(base, block_n_down=128),
+         replace(base, block_n=128)]
+    if fmt != "fp8":
+        c += [replace(base, swap_ab=not base.swap_ab), replace(base, block_k=256, block_k_down=256),
+              replace(base, swap_ab_down=not base.swap_ab)]
+    else:
+        c += [replace(base, block_k=64, block_k_down=64)]
+    return c
+
+
+def moe_curve(ts=(1, 2, 4, 8, 16, 64, 256), fmt: str = "nvfp4", device: str = "cuda", reps: int = 20,
+              inner: int = 8, routings: int = 6, limit: float | None = 7.0, sweep: bool = True) -> dict:
+    """The MoE curve of issue 14: for each T, the single-token GEMV kernels (:func:`moe_decode`)
+    and the multi-token grouped tensor-core path (:func:`moe_prefill` with
+    :func:`grouped_decode_config`, and with ``sweep`` each of :func:`grouped_candidates`), each
+    timed in CUDA graphs over ``routings`` random routings, against the point's own byte floor:
+    distinct experts touched x bytes per expert + activations (x read and y written in bf16),
+    at the device-to-device copy bandwidth measured in the same run. Every timed configuration
+    is checked against :func:`moe_decode_ref` on one routing (rel. error <= 1e-2 of max |y|).
+
+    Returns a JSON-able dict: ``shape``, ``fmt``, ``copy_tbs``, ``rows`` (one per T: ``floor_us``,
+    ``gemv_us``, ``grouped_us`` (default config), ``best_us`` / ``best_config`` over the sweep,
+    ``pct_floor_*`` = floor / time, ``layer_path``: which path memra's MoE layer takes at this T),
+    ``sweep`` (every candidate's µs or error)."""
+    from dataclasses import asdict
+
+    from ..layers.moe import MOE_DECODE_MAX_T
+
+    dev = torch.device(device)
+    e, k, d = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"]
+    gu, dn, gen = random_moe(fmt, dev, seed=5)
+    per_expert = gu.expert_nbytes + dn.expert_nbytes
+    copy_bw = copy_bandwidth()
+    rows, sweep_rows = [], []
+    for t in ts:
+        args, distinct = [], []
+        for _ in range(routings):
+            x = (torch.randn(t, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+            idx, w = random_routing(t, e, k, dev, gen)
+            distinct.append(int(torch.unique(idx).numel()))
+            args.append((x, idx, w, torch.empty_like(x)))
+        nd = sum(distinct) / len(distinct)
+        floor_us = (nd * per_expert + 2 * t * d * 2) / copy_bw * 1e6
+        x0, i0, w0, _ = args[0]
+        ref = moe_decode_ref(x0.float(), i0, w0, gu, dn, limit)
+
+        def err(y, ref=ref):
+            return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+        gemv_us = cuda_graph_us([lambda a=a: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3]) for a in args],
+                                reps, inner)
+        gemv_err = err(moe_decode(x0, i0, w0, gu, dn, limit))
+        results = []
+        for cfg in (grouped_candidates(fmt, t) if sweep and t > 1 else [grouped_decode_config(fmt, t)]):
+            try:
+                rel = err(moe_prefill(x0, i0, w0, gu, dn, limit, config=cfg))
+                us = cuda_graph_us([lambda a=a, c=cfg: a[3].copy_(moe_prefill(a[0], a[1], a[2], gu, dn, limit,
+                                                                               config=c)) for a in args], reps, inner)
+                results.append(dict(t=t, fmt=fmt, config=asdict(cfg), us=us, rel_err=rel, correct=rel <= 1e-2))
+            except Exception as ex:  # a config the compiler rejects is reported, not fatal
+                results.append(dict(t=t, fmt=fmt, config=asdict(cfg), error=f"{type(ex).__name__}: {str(ex)[:200]}"))
+            print(results[-1], flush=True)
+        sweep_rows += results
+        ok = [r for r in results if "us" in r and r["correct"]]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        g0 = results[0]
+        row = dict(t=t, distinct=nd, bytes=nd * per_expert + 2 * t * d * 2, floor_us=floor_us, gemv_us=gemv_us,
+                   gemv_rel_err=gemv_err, grouped_us=g0.get("us", float("nan")),
+                   grouped_rel_err=g0.get("rel_err", float("nan")),
+                   best_us=best["us"] if best else float("nan"), best_config=best["config"] if best else None,
+                   layer_path="gemv" if t <= MOE_DECODE_MAX_T else "grouped")
+        row["pct_floor_gemv"] = 100.0 * floor_us / gemv_us
+        row["pct_floor_grouped"] = 100.0 * floor_us / row["grouped_us"]
+        row["pct_floor_best"] = 100.0 * floor_us / row["best_us"]
+        row["correct"] = gemv_err <= 1e-2 and bool(ok)
+        rows.append(row)
+        print(row, flush=True)
+    return dict(shape=dict(FLAGSHIP), fmt=fmt, device=torch.cuda.get_device_name(dev), copy_tbs=copy_bw / 1e12,
+                per_expert_bytes=per_expert, rows=rows, sweep=sweep_rows, reps=reps, inner=inner, routings=routings)
+
+
+def print_curve_table(res: dict) -> None:
+    """The MoE curve as a table: per T, µs and % of the byte floor of each path."""
+    s = res["shape"]
+    print(f"MoE curve {res['fmt']} E={s['e']} top-{s['top_k']} D={s['d']} I={s['i']} on {res['device']}; "
+          f"copy {res['copy_tbs']:.2f} TB/s; {res['per_expert_bytes'] / 1e6:.2f} MB per expert")
+    print(f"{'T':>4} {'experts':>7} {'floor us':>8} {'gemv us':>8} {'%floor':>6} {'grouped':>8} {'%floor':>6} "
+          f"{'best':>8} {'%floor':>6} {'layer':>7}")
+    for r in res["rows"]:
+        print(f"{r['t']:>4} {r['distinct']:>7.1f} {r['floor_us']:>8.1f} {r['gemv_us']:>8.1f} {r['pct_floor_gemv']:>6.1f} "
+              f"{r['grouped_us']:>8.1f} {r['pct_floor_grouped']:>6.1f} {r['best_us']:>8.1f} "
+              f"{r['pct_floor_best']:>6.1f} {r['layer_path']:>7}")
+
+
 def print_moe_table(res: dict) -> None:
     """Prints the census result as a table (one line per T)."""
     s = res["shape"]
@@ -141,8 +242,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time a small grid of launch configurations instead")
+    ap.add_argument("--curve", action="store_true",
+                    help="the MoE curve: GEMV vs grouped tensor-core path per T against each point's byte floor")
+    ap.add_argument("--no-grouped-sweep", action="store_true", help="--curve: only the default grouped config")
     a = ap.parse_args(argv)
     out = []
+    if a.curve:
+        for fmt in a.fmt.split(","):
+            res = moe_curve(tuple(int(v) for v in a.t.split(",")), fmt, reps=a.reps,
+                            sweep=not a.no_grouped_sweep)
+            print_curve_table(res)
+            out.append(res)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     if a.sweep:
         for fmt in a.fmt.split(","):
             out += moe_config_sweep(tuple(int(v) for v in a.t.split(",")), fmt)

@@ -348,3 +348,76 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
             else:
                 p64 = tl.where(valid, pair, 0).to(tl.int64)
                 tl.store(y_ptr + p64[:, None] * stride_y + rn[None, :], acc, mask=om)
+
+
+@triton.jit
+def _moe_align_kernel(idx_ptr, ids_ptr, bexp_ptr, used_ptr, n, num_blocks, E,
+                      BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, EP: tl.constexpr, NBC: tl.constexpr):
+    """:func:`memra.kernels.moe_prefill.moe_align` in one launch (method "triton"), same outputs.
+
+    Every program counts the pairs per expert (cnt [EP]) and derives the padded runs
+    (pad = ceil(cnt / BM) * BM, pad_start = exclusive cumsum). Program pid places pairs
+    pid * BI .. + BI: dest(i) = pad_start[e_i] + #{j < i: e_j = e_i} (the stable sort by expert);
+    and it writes row blocks pid * NBC, + nprog * NBC, ...: block_expert[b] = #{e: pad_end[e] <=
+    b * BM} (the expert whose padded run holds the block; E -> -1), and the block's padding rows
+    (row r >= cnt[e] - (b * BM - pad_start[e]), and every row past the used blocks) = n.
+    Gathers from the per-expert vectors are one-hot sums ([rows, EP]); no atomics, so no two
+    programs write the same element."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    ev = tl.arange(0, EP)
+    cnt = tl.zeros([EP], dtype=tl.int32)
+    for j0 in range(0, n, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        vj = tl.load(idx_ptr + rj, mask=rj < n, other=-1).to(tl.int32)
+        cnt += tl.sum((vj[:, None] == ev[None, :]).to(tl.int32), axis=0)
+    pad = (cnt + BM - 1) // BM * BM
+    pad_end = tl.cumsum(pad, axis=0)
+    pad_start = pad_end - pad
+    total = tl.sum(pad, axis=0)
+    if pid == 0:
+        tl.store(used_ptr, total // BM)
+    # pairs
+    ri = pid * BI + tl.arange(0, BI)
+    vi = tl.load(idx_ptr + ri, mask=ri < n, other=-1).to(tl.int32)
+    rank = tl.zeros([BI], dtype=tl.int32)
+    for j0 in range(0, n, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        vj = tl.load(idx_ptr + rj, mask=rj < n, other=-2).to(tl.int32)
+        tie = (vj[None, :] == vi[:, None]) & (rj[None, :] < ri[:, None])
+        rank += tl.sum(tie.to(tl.int32), axis=1)
+    base = tl.sum(tl.where(vi[:, None] == ev[None, :], pad_start[None, :], 0), axis=1)
+    tl.store(ids_ptr + base + rank, ri, mask=ri < n)
+    # row blocks: expert and padding rows
+    for b0 in range(pid * NBC, num_blocks, nprog * NBC):
+        rb = b0 + tl.arange(0, NBC)
+        start = rb * BM
+        be = tl.sum(((pad_end[None, :] <= start[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
+        live = be < E
+        tl.store(bexp_ptr + rb, tl.where(live, be, -1), mask=rb < num_blocks)
+        oh = be[:, None] == ev[None, :]
+        c = tl.sum(tl.where(oh, cnt[None, :], 0), axis=1)
+        s0 = tl.sum(tl.where(oh, pad_start[None, :], 0), axis=1)
+        filled = tl.where(live, c - (start - s0), 0)  # real pairs in this block (may exceed BM)
+        r = tl.arange(0, BM)
+        padrow = r[None, :] >= filled[:, None]
+        tl.store(ids_ptr + start[:, None] + r[None, :], tl.full([NBC, BM], 0, tl.int32) + n,
+                 mask=padrow & (rb < num_blocks)[:, None])
+
+
+@triton.jit
+def _moe_combine_kernel(acc_ptr, add_ptr, y_ptr, D, stride_acc, stride_add, stride_y,
+                        TOPK: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr):
+    """y[t, cols] = (sum over j = 0..TOPK-1, in this order, of acc[t * TOPK + j, cols]) + add[t, cols],
+    in fp32, cast to y's dtype: the deterministic combine of the per-pair rows (the same token's
+    result never depends on the other tokens of the call, nor on the run)."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = rd < D
+    t64 = t.to(tl.int64)
+    s = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        s += tl.load(acc_ptr + (t64 * TOPK + j) * stride_acc + rd, mask=m, other=0.0)
+    if HAS_ADD:
+        s += tl.load(add_ptr + t64 * stride_add + rd, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t64 * stride_y + rd, s.to(y_ptr.dtype.element_ty), mask=m)

@@ -178,36 +178,43 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
 
 
 @triton.jit
-def _combine(y_ptr, yv, perm_ptr, wt_ptr, pos, c, cnt, topk, N, rn, n_ok):
-    # y[tok, rn] += weight[p] * yv (fp32 atomics) for pair p = perm[pos] of token tok = p // topk
+def _combine(y_ptr, yv, perm_ptr, wt_ptr, pos, c, cnt, topk, N, rn, n_ok, ATOMIC: tl.constexpr = True):
+    # ATOMIC: y[tok, rn] += weight[p] * yv (fp32 atomics) for pair p = perm[pos] of token tok = p // topk;
+    # else y[p, rn] = weight[p] * yv (per-pair rows, each written once; summed by _moe_combine_kernel)
     p = tl.load(perm_ptr + pos, mask=c < cnt, other=0)
     wgt = tl.load(wt_ptr + p, mask=c < cnt, other=0.0)
-    _put(y_ptr + (p // topk).to(tl.int64) * N, yv * wgt, c, cnt, rn, n_ok, 0, True)
+    if ATOMIC:
+        _put(y_ptr + (p // topk).to(tl.int64) * N, yv * wgt, c, cnt, rn, n_ok, 0, True)
+    else:
+        _put(y_ptr + p.to(tl.int64) * N, yv * wgt, c, cnt, rn, n_ok, 0, False)
 
 
 @triton.jit
 def _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, w_ptr, s_ptr, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
               stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+              ATOMIC: tl.constexpr):
     xp0 = act_ptr + (start + c0).to(tl.int64) * K
     y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
                                k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
-    _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok)
+    _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok, ATOMIC)
     if NC > 1:
-        _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok)
+        _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok, ATOMIC)
     if NC > 2:
-        _combine(y_ptr, y2, perm_ptr, wt_ptr, start + c0 + 2, c0 + 2, cnt, topk, N, rn, n_ok)
-        _combine(y_ptr, y3, perm_ptr, wt_ptr, start + c0 + 3, c0 + 3, cnt, topk, N, rn, n_ok)
+        _combine(y_ptr, y2, perm_ptr, wt_ptr, start + c0 + 2, c0 + 2, cnt, topk, N, rn, n_ok, ATOMIC)
+        _combine(y_ptr, y3, perm_ptr, wt_ptr, start + c0 + 3, c0 + 3, cnt, topk, N, rn, n_ok, ATOMIC)
 
 
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_ptr, sc_ptr,
                      topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
-                     EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+                     EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+                     ATOMIC: tl.constexpr = True):
     """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
-    every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host)."""
+    every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host).
+    ATOMIC=False (one K split): y[p_c, n] = the same term, per-pair rows [T * k, N]."""
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -227,17 +234,17 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for c0 in range(0, cnt - (NC - 1), NC):
         _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
-                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
 
 
 @triton.jit

@@ -19,9 +19,11 @@ call, however many tokens chose it:
    reduces over all of D (no split-K: SwiGLU needs the full sums) and writes
    ``act[pos, :] = min(silu(g), limit) * clamp(u, -limit, limit)`` (fp32 scratch [T*k, I],
    in sorted-pair order ``pos``).
-3. down kernel, grid (ceil(D / BN), S, split_k): ``y32[t, :] += w[t, j] * act[pos] @ W_down_e^T``
-   with fp32 atomic adds into a zeroed fp32 [T, D] buffer (fuses the routing weight and the
-   sum over k), then one cast to x's dtype.
+3. down kernel, grid (ceil(D / BN), S, split_k): ``w[t, j] * act[pos] @ W_down_e^T`` (the
+   routing weight fused), stored as per-pair fp32 rows [T*k, D], then one combine launch that
+   sums each token's k rows in a fixed order (+ ``add``) and casts to x's dtype: deterministic
+   and batch-invariant (``MoeDecodeConfig.combine = "sum"``, the default); or, "atomic", fp32
+   atomic adds into a zeroed [T, D] buffer and a cast.
 
 Inner products are those of :func:`memra.kernels.gemv.decode_linear`'s CUDA-core path
 (helpers ``_tile``, ``_fma``, ``_h2_load``, ``_h2_col``, ``_h2_xscale`` are imported from
@@ -445,7 +447,12 @@ class MoeDecodeConfig:
     ``f16``: fp16x2 path for nvfp4 (ignored for other formats); ``prefetch``: next weight tile
     loaded before the current one is used; ``num_warps`` for both kernels; ``group``: how the
     pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
-    the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels).
+    the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels);
+    ``combine``: "sum" (default) the down kernel stores per-pair fp32 rows [T*k, D] and one
+    launch sums each token's k rows in order j = 0..k-1 (+ ``add``) and casts: deterministic,
+    and a token's result does not depend on the other tokens of the step (batch invariance;
+    split_k is then 1); "atomic": fp32 atomic adds into [T, D] (the order of a token's k terms
+    varies from run to run).
     """
 
     ba: int = 32
@@ -458,6 +465,7 @@ class MoeDecodeConfig:
     prefetch: bool = True
     num_warps: int = 4
     group: str = "triton"
+    combine: str = "sum"
 
 
 def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> MoeDecodeConfig:
@@ -529,7 +537,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
             raise ValueError(f"moe_decode: block {bk} must be a power of two, a multiple of {gs} for {b.fmt} "
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
-            or cfg.group not in ("torch", "triton")):
+            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
         x = x.contiguous()
@@ -539,10 +547,13 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
     act = torch.empty(t * topk, i, dtype=torch.float32, device=x.device)
     if add is not None and tuple(add.shape) != (t, d):
         raise ValueError(f"moe_decode: add must be [{t}, {d}], got {tuple(add.shape)}")
-    # the down kernel accumulates into y32: zeros, or ``add`` (e.g. the shared expert's output)
-    y32 = torch.zeros(t, d, dtype=torch.float32, device=x.device) if add is None else add.float().contiguous()
-    if add is not None and y32.data_ptr() == add.data_ptr():
-        y32 = y32.clone()
+    atomic = cfg.combine == "atomic"
+    if atomic:  # the down kernel accumulates into y32: zeros, or ``add`` (e.g. the shared expert's output)
+        y32 = torch.zeros(t, d, dtype=torch.float32, device=x.device) if add is None else add.float().contiguous()
+        if add is not None and y32.data_ptr() == add.data_ptr():
+            y32 = y32.clone()
+    else:  # per-pair rows, each written once by the down kernel
+        y32 = torch.empty(t * topk, d, dtype=torch.float32, device=x.device)
     k1, k2 = _kernels()
     asm = not interpret_mode()
 
@@ -570,14 +581,26 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
     sc, swe, swn, sse, ssn = strides(down, h2b)
     bk2 = cfg.bk2
     steps = -(-i // bk2)
-    split = min(cfg.split_k, steps)
+    split = min(cfg.split_k, steps) if atomic else 1
     k_per_split = -(-steps // split) * bk2
     split = -(-i // k_per_split)
     k2[(-(-d // cfg.bn), s, split)](
         act, down.data, sc, y32, perm, wflat, slot_e, slot_start, slot_cnt,
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
-        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
+        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, ATOMIC=atomic, num_warps=cfg.num_warps)
+    if not atomic:
+        from ._moe_prefill_triton import _moe_combine_kernel
+
+        y = out if out is not None and out.stride(1) == 1 else torch.empty(t, d, dtype=x.dtype, device=x.device)
+        a = y32 if add is None else (add if add.stride(1) == 1 else add.contiguous())
+        bd = 512
+        _moe_combine_kernel[(t, -(-d // bd))](y32, a, y, d, y32.stride(0), a.stride(0), y.stride(0), TOPK=topk,
+                                               BD=bd, HAS_ADD=add is not None, num_warps=4)
+        if out is not None and y.data_ptr() != out.data_ptr():
+            out.copy_(y)
+            return out
+        return y
     if out is not None:
         out.copy_(y32)
         return out

@@ -89,6 +89,8 @@ __all__ = [
     "table_key",
     "TUNED_TABLE",
     "moe_align",
+    "grouped_decode_config",
+    "GROUPED_DECODE_MAX_T",
     "moe_prefill",
     "moe_prefill_ref",
     "quantize_act_fp8_ref",
@@ -113,7 +115,10 @@ def align_sizes(n_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]
     return nb * block_m, nb
 
 
-def moe_align(index: torch.Tensor, num_experts: int, block_m: int
+ALIGN_TRITON_MAX = 4096  # pairs: the one-launch alignment does O(n * (E + BI)) work per program
+
+
+def moe_align(index: torch.Tensor, num_experts: int, block_m: int, method: str = "torch"
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sorts the (token, expert) pairs by expert and pads each expert's run to whole row blocks.
 
@@ -122,6 +127,9 @@ def moe_align(index: torch.Tensor, num_experts: int, block_m: int
             behaviour, as in the kernels), any device.
         num_experts: E.
         block_m: rows per block (>= 1).
+        method: "torch" (about 15 small torch kernels) or "triton" (one launch of
+            ``_moe_align_kernel``, for decode-size calls; used when T*k <= :data:`ALIGN_TRITON_MAX`
+            and E <= 4096, else torch). Both give identical results.
 
     Returns:
         sorted_ids int32 [P_pad]: pair numbers ``p = t * k + j`` grouped by expert in increasing
@@ -135,16 +143,32 @@ def moe_align(index: torch.Tensor, num_experts: int, block_m: int
     About 15 small torch kernels (sort, scatters, cumsums, searchsorted); no host syncs, so
     CUDA-graph capturable.
 
-    Raises: ValueError for a non-2-D / non-integer index, E < 1 or block_m < 1.
+    Raises: ValueError for a non-2-D / non-integer index, E < 1, block_m < 1 or an unknown method.
     """
     if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"moe_align: index must be int64/int32 [T, k], got {getattr(index, 'dtype', None)} "
                          f"{tuple(getattr(index, 'shape', ()))}")
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"moe_align: num_experts = {num_experts} and block_m = {block_m} must be >= 1")
+    if method not in ("torch", "triton"):
+        raise ValueError(f"moe_align: method {method!r}; expected 'torch' or 'triton'")
     dev = index.device
     n = index.numel()
     p_pad, nb = align_sizes(n, num_experts, block_m)
+    if method == "triton" and n <= ALIGN_TRITON_MAX and num_experts <= 4096 and block_m & (block_m - 1) == 0:
+        from ._moe_prefill_triton import _moe_align_kernel
+
+        flat = index.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        sorted_ids = torch.empty(p_pad, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+        used = torch.empty(1, dtype=torch.int32, device=dev)
+        bi = 64
+        _moe_align_kernel[(-(-n // bi),)](flat, sorted_ids, block_expert, used, n, nb, num_experts, BM=block_m,
+                                          BI=bi, BJ=32, EP=max(16, 1 << (num_experts - 1).bit_length()), NBC=16,
+                                          num_warps=4)
+        return sorted_ids, block_expert, used
     flat = index.reshape(-1).to(torch.int64)
     ar = torch.arange(n, device=dev, dtype=torch.int64)
     key, order = torch.sort(flat * n + ar)  # distinct keys: the stable sort by expert
@@ -248,7 +272,12 @@ class MoePrefillConfig:
     fp8_act: fp8 banks use the FP8 block recipe (E4M3 x E4M3 dots, activations quantized per
         1x128 group); False: E4M3 codes converted to x's dtype (exact weights, no activation
         rounding beyond x's dtype). Ignored for other formats.
-    combine: "atomic" (fp32 atomics into [T, D]) or "sum" (per-pair rows, deterministic sum).
+    combine: "atomic" (fp32 atomics into [T, D]) or "sum" (per-pair fp32 rows, then
+        ``_moe_combine_kernel``: each token's k rows summed in order j = 0..k-1, plus ``add``,
+        cast; deterministic and batch-invariant: a token's result depends only on its own row).
+    align: how the pairs are aligned (:func:`moe_align`): "torch", "triton" (one launch; for
+        decode-size calls the torch version's ~15 launches cost more than the GEMMs), or "auto"
+        (default): triton up to :data:`ALIGN_TRITON_MAX` pairs, else torch.
     swap_ab / swap_ab_down (None: swap_ab): kernel A / B computes the transposed product
     ``W x^T`` (weight tile as the MMA's first operand, read by wgmma from registers right after
     the in-kernel dequantization; pair rows as the MMA's N, 16..256); not for fp8 banks.
@@ -268,6 +297,7 @@ class MoePrefillConfig:
     num_stages_down: int | None = None
     swap_ab: bool = False
     swap_ab_down: bool | None = None
+    align: str = "auto"
 
 
 TUNED_TABLE = Path(__file__).with_name("moe_prefill_tuned.json")
@@ -355,6 +385,35 @@ def default_prefill_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int
                             fp8_act=fp8_act)
 
 
+GROUPED_DECODE_MAX_T = 256  # tokens: up to here the MoE layer's multi-token calls use grouped_decode_config
+
+
+def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int = 1280,
+                          d: int = 4096) -> MoePrefillConfig:
+    """The launch configuration of the multi-token decode path (2..:data:`GROUPED_DECODE_MAX_T`
+    tokens: speculative verify steps, batched decode): the grouped GEMMs of :func:`moe_prefill`
+    with 16-row pair blocks (at T <= 256 an expert meets a few tokens, so one block holds them and
+    each chosen expert's weights are read once per step), the one-launch alignment, the
+    deterministic per-pair combine (``combine="sum"``: batch-invariant) and exact fp8 weights
+    (``fp8_act=False``: no activation rounding, as the single-token kernel). Tiles from the H200
+    sweep of ``memra bench census --moe-t`` (memra/kernels/NOTES.md)."""
+    if fmt not in _FMT_ID:
+        raise ValueError(f"grouped_decode_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
+
+    def fit(b: int, lim: int) -> int:
+        while b > 16 and b > lim:
+            b //= 2
+        return b
+
+    bk = 128
+    if fmt == "q8_0":
+        bk = max(32, fit(bk, d))
+    swap = fmt != "fp8"
+    return MoePrefillConfig(block_m=16, block_n=fit(64, i), block_k=fit(bk, d), num_warps=4, num_stages=3, group_m=1,
+                            block_n_down=fit(64, d), block_k_down=max(32 if fmt == "q8_0" else 16, fit(128, i)),
+                            fp8_act=False, combine="sum", swap_ab=swap, align="triton")
+
+
 def _pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
@@ -370,7 +429,7 @@ def _validate(cfg: MoePrefillConfig, gate_up: ExpertBank, down: ExpertBank, f8: 
         if bk % _BK_UNIT[bank.fmt] or (bank.fmt == "fp8" and 128 % bk):
             raise ValueError(f"moe_prefill: {what} = {bk} for {bank.fmt} must be a multiple of "
                              f"{_BK_UNIT[bank.fmt]}" + (" and divide 128" if bank.fmt == "fp8" else ""))
-    if (cfg.combine not in ("atomic", "sum") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1
+    if (cfg.combine not in ("atomic", "sum") or cfg.align not in ("torch", "triton", "auto") or cfg.group_m < 1 or cfg.num_warps < 1 or cfg.num_stages < 1
             or (cfg.num_warps_down or 1) < 1 or (cfg.num_stages_down or 1) < 1):
         raise ValueError(f"moe_prefill: invalid config {cfg}")
     for bank, sw, what in ((gate_up, cfg.swap_ab, "swap_ab"),
@@ -459,7 +518,8 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
     dev = x.device
     n = t * topk
     bm = cfg.block_m
-    ids, bexp, _ = moe_align(index, e, bm)
+    align_method = cfg.align if cfg.align != "auto" else ("triton" if n <= ALIGN_TRITON_MAX else "torch")
+    ids, bexp, _ = moe_align(index, e, bm, align_method)
     num_m = bexp.shape[0]
     wflat = weight.reshape(-1).float().contiguous()
     cdt = x.dtype
@@ -467,7 +527,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
     exact = interpret_mode()
     import triton.language as tl
 
-    from ._moe_prefill_triton import _act_quant_kernel, _moe_down_kernel, _moe_gate_up_kernel
+    from ._moe_prefill_triton import _act_quant_kernel, _moe_combine_kernel, _moe_down_kernel, _moe_gate_up_kernel
 
     tl_cdt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[cdt]
     # x operand: E4M3 codes + per-1x128 scales (fp8 recipe) or x itself
@@ -495,7 +555,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
         return sc, b.data.stride(0), b.data.stride(1), sc.stride(0), sc.stride(1)
 
     def align():
-        moe_align(index, e, bm)
+        moe_align(index, e, bm, align_method)
 
     def gate_up_launch():
         if f8in:
@@ -533,10 +593,10 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             if y.data_ptr() != acc.data_ptr():
                 y.copy_(acc)
         else:
-            s = acc.view(t, topk, d).sum(1)
-            if add is not None:
-                s += add.float()
-            y.copy_(s)
+            bd = 512
+            a = acc if add is None else (add if add.stride(1) == 1 else add.contiguous())
+            _moe_combine_kernel[(t, -(-d // bd))](acc, a, y, d, acc.stride(0), a.stride(0), y.stride(0),
+                                                   TOPK=topk, BD=bd, HAS_ADD=add is not None, num_warps=4)
 
     return dict(align=align, gate_up=gate_up_launch, down=down_launch, out=y, ids=ids, block_expert=bexp, config=cfg)
 

@@ -14,9 +14,11 @@ How it runs is chosen here, per call:
   tokens; the shared expert added after (exact in fp32).
 - GPU: router logits by cuBLAS + the fused top-k kernel (memra/kernels/moe_decode.py
   ``moe_route``); routed experts kept packed in their checkpoint format as expert banks and run
-  by the decode kernel (memra/kernels/moe_decode.py, each chosen expert read once per step) for
-  T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMM of
-  memra/kernels/moe_prefill.py above; the routed sum accumulates onto the shared expert's output.
+  by the single-token GEMV kernels (memra/kernels/moe_decode.py, each chosen expert read once per
+  step) for T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMMs of
+  memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
+  tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
+  includes the shared expert's output (``add``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .device import KernelLayer
 
 __all__ = ["MOE_DECODE_MAX_T", "MoE", "RoutedExperts"]
 
-MOE_DECODE_MAX_T = 64  # GPU: up to this many tokens through moe_decode, more through moe_prefill
+MOE_DECODE_MAX_T = 1  # GPU: up to this many tokens through moe_decode's GEMV kernels (the crossover, NOTES.md)
 
 
 class RoutedExperts(KernelLayer):
@@ -110,11 +112,16 @@ class RoutedExperts(KernelLayer):
                 add: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
         if self.kernels:
-            if x.shape[0] <= MOE_DECODE_MAX_T:
+            t = x.shape[0]
+            if t <= MOE_DECODE_MAX_T:
                 return decode_kernels.moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
                                                  add=add)
+            cfg = None
+            if t <= prefill_kernels.GROUPED_DECODE_MAX_T:
+                b = self.gate_up_bank
+                cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k)
             return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
-                                               add=add)
+                                               add=add, config=cfg)
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
         self.tokens_per_expert = counts
