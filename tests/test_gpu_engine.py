@@ -648,3 +648,27 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
     assert llm.engine.model.layers[0].attn.qkv.packed_weight.fmt == "fp8"
     out = llm.generate([[0, 5, 9, 17]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.gpu
+def test_tiny_step_greedy_is_batch_invariant_on_gpu(tmp_path):
+    """Issue 14's batch invariance: the tiny Step model's greedy tokens on the GPU are the same
+    when each of 16 prompts decodes alone (batch 1) as when all 16 decode together (batch 16)."""
+    import random
+
+    from step35_tiny import VOCAB, make_tensors, write_llm_dir
+
+    from memra.engine.llm import LLM
+    from memra.engine.sampling import SamplingParams
+
+    d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
+    g = random.Random(1)
+    prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 40))] for _ in range(16)]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(d), device="cuda", max_model_len=256, max_num_seqs=16)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    diverged = [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y))
+                for i, (u, v) in enumerate(zip(alone, together)) if u != v]
+    print(f"\nbatch 1 vs batch 16: {len(diverged)} of 16 prompts differ (prompt, first token): {diverged}")
+    assert not diverged

@@ -177,7 +177,7 @@ def _routing_wide(t: int, k: int, g: torch.Generator):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_decode_path(fmt):
     """The multi-token decode configuration (grouped_decode_config: 16-row blocks, one-launch
-    alignment, per-pair combine, exact fp8 weights, swap_ab for non-fp8) vs moe_prefill_ref at
+    alignment, per-pair combine, exact fp8 weights) and its swap_ab form vs moe_prefill_ref at
     T = 2 and 5, with ``add``; and batch invariance: each token's output row is bit-identical
     (torch.equal) whether the other tokens of the call are different tokens or absent."""
     i = _i(fmt)
@@ -189,9 +189,10 @@ def test_grouped_decode_path(fmt):
         index, weight = _routing_wide(t, 3, g)
         x = torch.randn(t, D, generator=g).to(dt)
         add = torch.randn(t, D, generator=g).to(dt)
-        y = moe_prefill(x, index, weight, gu, down, limit, add=add, config=cfg)
         r = moe_prefill_ref(x, index, weight, gu, down, limit, add=add)
-        assert y.dtype == dt and _rel(y, r) <= (1e-5 if dt == torch.float32 else 2e-3), (fmt, t, _rel(y, r))
+        for c in (cfg, dataclasses.replace(cfg, swap_ab=True)) if fmt != "fp8" else (cfg,):
+            y = moe_prefill(x, index, weight, gu, down, limit, add=add, config=c)
+            assert y.dtype == dt and _rel(y, r) <= (1e-5 if dt == torch.float32 else 2e-3), (fmt, t, c, _rel(y, r))
     # batch invariance: rows 0 and 2 of a 4-token call vs the same tokens among other tokens / alone
     t = 4
     cfg = grouped_decode_config(fmt, t, 3, E, i, D)

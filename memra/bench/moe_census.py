@@ -131,7 +131,7 @@ def grouped_candidates(fmt: str, t: int) -> list:
          replace(base, block_n=128)]
     if fmt != "fp8":
         c += [replace(base, swap_ab=not base.swap_ab), replace(base, block_k=256, block_k_down=256),
-              replace(base, swap_ab_down=not base.swap_ab)]
+              replace(base, swap_ab_down=not base.swap_ab), replace(base, block_n_down=128, num_stages=4)]
     else:
         c += [replace(base, block_k=64, block_k_down=64)]
     return c
@@ -189,7 +189,19 @@ def moe_curve(ts=(1, 2, 4, 8, 16, 64, 256), fmt: str = "nvfp4", device: str = "c
             except Exception as ex:  # a config the compiler rejects is reported, not fatal
                 results.append(dict(t=t, fmt=fmt, config=asdict(cfg), error=f"{type(ex).__name__}: {str(ex)[:200]}"))
             print(results[-1], flush=True)
-        sweep_rows += results
+        # probe (not a layer path): the default config with fp16 operands (x cast to fp16; the nvfp4
+        # weights are exact in fp16 too), i.e. what the bf16 conversion of the decoded weights costs
+        try:
+            cfg = grouped_decode_config(fmt, t)
+            rel = err(moe_prefill(x0.half(), i0, w0, gu, dn, limit, config=cfg))
+            halves = [a[0].half() for a in args]
+            us = cuda_graph_us([lambda a=a, h=h, c=cfg: moe_prefill(h, a[1], a[2], gu, dn, limit, config=c)
+                                for a, h in zip(args, halves)], reps, inner)
+            probe = dict(t=t, fmt=fmt, x_dtype="float16", config=asdict(cfg), us=us, rel_err=rel)
+        except Exception as ex:
+            probe = dict(t=t, fmt=fmt, x_dtype="float16", error=f"{type(ex).__name__}: {str(ex)[:200]}")
+        print(probe, flush=True)
+        sweep_rows += results + [probe]
         ok = [r for r in results if "us" in r and r["correct"]]
         best = min(ok, key=lambda r: r["us"]) if ok else None
         g0 = results[0]
@@ -197,10 +209,13 @@ def moe_curve(ts=(1, 2, 4, 8, 16, 64, 256), fmt: str = "nvfp4", device: str = "c
                    gemv_rel_err=gemv_err, grouped_us=g0.get("us", float("nan")),
                    grouped_rel_err=g0.get("rel_err", float("nan")),
                    best_us=best["us"] if best else float("nan"), best_config=best["config"] if best else None,
+                   fp16_probe_us=probe.get("us", float("nan")),
                    layer_path="gemv" if t <= MOE_DECODE_MAX_T else "grouped")
         row["pct_floor_gemv"] = 100.0 * floor_us / gemv_us
         row["pct_floor_grouped"] = 100.0 * floor_us / row["grouped_us"]
         row["pct_floor_best"] = 100.0 * floor_us / row["best_us"]
+        row["layer_us"] = gemv_us if row["layer_path"] == "gemv" else row["grouped_us"]
+        row["pct_floor_layer"] = 100.0 * floor_us / row["layer_us"]
         row["correct"] = gemv_err <= 1e-2 and bool(ok)
         rows.append(row)
         print(row, flush=True)
@@ -214,11 +229,11 @@ def print_curve_table(res: dict) -> None:
     print(f"MoE curve {res['fmt']} E={s['e']} top-{s['top_k']} D={s['d']} I={s['i']} on {res['device']}; "
           f"copy {res['copy_tbs']:.2f} TB/s; {res['per_expert_bytes'] / 1e6:.2f} MB per expert")
     print(f"{'T':>4} {'experts':>7} {'floor us':>8} {'gemv us':>8} {'%floor':>6} {'grouped':>8} {'%floor':>6} "
-          f"{'best':>8} {'%floor':>6} {'layer':>7}")
+          f"{'best':>8} {'%floor':>6} {'fp16 x':>8} {'layer':>7} {'%floor':>6}")
     for r in res["rows"]:
         print(f"{r['t']:>4} {r['distinct']:>7.1f} {r['floor_us']:>8.1f} {r['gemv_us']:>8.1f} {r['pct_floor_gemv']:>6.1f} "
               f"{r['grouped_us']:>8.1f} {r['pct_floor_grouped']:>6.1f} {r['best_us']:>8.1f} "
-              f"{r['pct_floor_best']:>6.1f} {r['layer_path']:>7}")
+              f"{r['pct_floor_best']:>6.1f} {r['fp16_probe_us']:>8.1f} {r['layer_path']:>7} {r['pct_floor_layer']:>6.1f}")
 
 
 def print_moe_table(res: dict) -> None:

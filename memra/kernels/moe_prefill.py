@@ -396,7 +396,7 @@ def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int 
     each chosen expert's weights are read once per step), the one-launch alignment, the
     deterministic per-pair combine (``combine="sum"``: batch-invariant) and exact fp8 weights
     (``fp8_act=False``: no activation rounding, as the single-token kernel). Tiles from the H200
-    sweep of ``memra bench census --moe-t`` (memra/kernels/NOTES.md)."""
+    sweep of ``python -m memra.bench.moe_census --curve`` (memra/kernels/NOTES.md)."""
     if fmt not in _FMT_ID:
         raise ValueError(f"grouped_decode_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
 
@@ -408,10 +408,11 @@ def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int 
     bk = 128
     if fmt == "q8_0":
         bk = max(32, fit(bk, d))
-    swap = fmt != "fp8"
+    # H200 sweep (nvfp4, T = 2..256): 64 act columns x 128 K per kernel-A program and 64 x 128 per
+    # kernel-B program, 4 warps, 3 stages, no swap_ab (swap_ab was 10-20 % slower at every T; 8 warps 2x slower)
     return MoePrefillConfig(block_m=16, block_n=fit(64, i), block_k=fit(bk, d), num_warps=4, num_stages=3, group_m=1,
                             block_n_down=fit(64, d), block_k_down=max(32 if fmt == "q8_0" else 16, fit(128, i)),
-                            fp8_act=False, combine="sum", swap_ab=swap, align="triton")
+                            fp8_act=False, combine="sum", swap_ab=False, align="triton")
 
 
 def _pow2(v: int) -> bool:

@@ -36,7 +36,12 @@ from .device import KernelLayer
 
 __all__ = ["MOE_DECODE_MAX_T", "MoE", "RoutedExperts"]
 
-MOE_DECODE_MAX_T = 1  # GPU: up to this many tokens through moe_decode's GEMV kernels (the crossover, NOTES.md)
+# GPU: up to this many tokens through moe_decode's GEMV kernels, more through the grouped tensor-core
+# GEMMs. The crossover measured on the H200 (NVFP4 experts, flagship shape, `python -m memra.bench.moe_census
+# --curve`, benchmarks/results/moe-curve-h200.json): GEMV faster at T = 1..16 (556 vs 588 us at 16),
+# grouped faster from T = 64 (1325 vs 2101 us); both paths read each chosen expert once per call and
+# combine deterministically.
+MOE_DECODE_MAX_T = 16
 
 
 class RoutedExperts(KernelLayer):
