@@ -651,9 +651,13 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="not yet batch-invariant (H200, 040063f: 10 of 16 prompts differ; with "
+                   "every MoE call on one path 7 in graphs, 4 eager): cuBLAS GEMMs and the attention kernels "
+                   "choose their reduction order by batch shape (memra/kernels/NOTES.md)")
 def test_tiny_step_greedy_is_batch_invariant_on_gpu(tmp_path):
     """Issue 14's batch invariance: the tiny Step model's greedy tokens on the GPU are the same
-    when each of 16 prompts decodes alone (batch 1) as when all 16 decode together (batch 16)."""
+    when each of 16 prompts decodes alone (batch 1) as when all 16 decode together (batch 16).
+    Strict xfail: it tracks the open target and fails the run the day it starts to pass."""
     import random
 
     from step35_tiny import VOCAB, make_tensors, write_llm_dir

@@ -236,6 +236,39 @@ def print_curve_table(res: dict) -> None:
               f"{r['pct_floor_best']:>6.1f} {r['fp16_probe_us']:>8.1f} {r['layer_path']:>7} {r['pct_floor_layer']:>6.1f}")
 
 
+def plot_curve(results: list[dict], path: str) -> str:
+    """A PNG of the MoE curve (:func:`moe_curve` results, one per format): µs per call against T
+    (log-log) for the GEMV kernels, the grouped tensor-core path, and the byte floor. Returns
+    ``path``, or a message when matplotlib is not importable (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as ex:  # matplotlib is optional
+        return f"no PNG: matplotlib not importable ({ex})"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        ts = [r["t"] for r in res["rows"]]
+        f = res["fmt"]
+        ax.plot(ts, [r["gemv_us"] for r in res["rows"]], "o-", label=f"{f} GEMV kernels (moe_decode)")
+        ax.plot(ts, [r["grouped_us"] for r in res["rows"]], "s-", label=f"{f} grouped tensor-core (moe_prefill)")
+        ax.plot(ts, [r["floor_us"] for r in res["rows"]], "k--", label=f"{f} byte floor (distinct experts)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per call (T)")
+    ax.set_ylabel("µs per MoE layer call")
+    r0 = results[0]
+    ax.set_title(f"routed experts, E={r0['shape']['e']} top-{r0['shape']['top_k']}, {r0['device']}, "
+                 f"copy {r0['copy_tbs']:.2f} TB/s", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def print_moe_table(res: dict) -> None:
     """Prints the census result as a table (one line per T)."""
     s = res["shape"]
@@ -260,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--curve", action="store_true",
                     help="the MoE curve: GEMV vs grouped tensor-core path per T against each point's byte floor")
     ap.add_argument("--no-grouped-sweep", action="store_true", help="--curve: only the default grouped config")
+    ap.add_argument("--png-out", default=None, help="--curve: write the curve chart here (needs matplotlib)")
     a = ap.parse_args(argv)
     out = []
     if a.curve:
@@ -268,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
                             sweep=not a.no_grouped_sweep)
             print_curve_table(res)
             out.append(res)
+        if a.png_out:
+            print(plot_curve(out, a.png_out))
         if a.json_out:
             with open(a.json_out, "w") as f:
                 json.dump(out, f, indent=1)
