@@ -40,6 +40,15 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "vocabulary as the model)")
     p.add_argument("--speculative-max-batch", type=int, default=8,
                    help="no drafting while more requests than this are running")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is sharded over (CPU, gloo; workers spawned on this machine, or "
+                        "torchrun's ranks: rank 0 runs this command, the others `memra worker`)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="routed experts split by expert over the ranks (EP) instead of along their width")
+    p.add_argument("--deterministic", action="store_true",
+                   help="at TP 1: the canonical-order parallel path (logits bit-identical to TP 2 and 4)")
+    p.add_argument("--parallel-timeout", type=float, default=120.0,
+                   help="seconds a collective may wait (a dead rank fails the run after this)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -95,7 +104,9 @@ def _load(a: argparse.Namespace):
 def _speculative(a: argparse.Namespace) -> dict:
     """The speculative-decoding EngineConfig fields of the command line."""
     return dict(speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-                speculative_max_batch=a.speculative_max_batch, speculative_model=a.draft_model)
+                speculative_max_batch=a.speculative_max_batch, speculative_model=a.draft_model,
+                tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+                deterministic=a.deterministic, parallel_timeout_s=a.parallel_timeout)
 
 
 def _finish_line(reason: str | None, stop, n_tokens: int, max_tokens: int, tokenizer) -> str:

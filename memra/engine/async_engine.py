@@ -53,6 +53,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._stats = engine.stats()
+        self.fatal: Exception | None = None  # set when the engine cannot go on (a parallel rank died)
+        self.on_fatal = None  # called with that error (the server uses it to shut down)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -72,6 +74,7 @@ class AsyncLLMEngine:
             waiting = list(self._streams)
         for eid in waiting:
             self._deliver(eid, RuntimeError("the engine was shut down"))
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
@@ -215,6 +218,14 @@ class AsyncLLMEngine:
                 for rid in eng.request_ids():
                     eng.abort_request(rid)
                     self._deliver(rid, RuntimeError(f"internal engine error: {e!r}"))
+                from ..parallel.runtime import ParallelFailure
+
+                if isinstance(e, ParallelFailure):  # a rank is gone: nothing more can be served
+                    log.critical("%s; the server stops", e)
+                    self.fatal = e
+                    self._stop = True
+                    if self.on_fatal is not None:
+                        self.on_fatal(e)
                 continue
             for ev in events:
                 self._deliver(ev.request_id, ev)

@@ -67,6 +67,14 @@ class EngineConfig:
             same vocabulary as the target, loaded on the same device in the same dtype.
         speculative_max_batch: drafting steps aside while more requests than this are running
             (verification then costs more than it saves).
+        tensor_parallel_size: ranks the model is sharded over (memra/parallel: attention heads,
+            MLPs, vocabulary; CPU / gloo for now). Rank 0 is this process (scheduler, block manager,
+            server); the others are spawned workers, or torchrun's ranks (``memra worker``).
+        enable_expert_parallel: routed experts split by expert over the ranks (EP) instead of along
+            their intermediate dimension.
+        deterministic: at tensor_parallel_size 1, run the canonical-order parallel path on one rank
+            (bit-identical to TP 2 and 4; memra/parallel docstring). TP > 1 always runs it.
+        parallel_timeout_s: timeout of every collective (a dead rank fails the run after this).
     """
 
     model: str = "smollm2-135m"
@@ -86,6 +94,15 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     speculative_max_batch: int = 8
     speculative_model: str | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    deterministic: bool = False
+    parallel_timeout_s: float = 120.0
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the model runs through memra/parallel (TP > 1, EP, or the canonical one-rank path)."""
+        return self.tensor_parallel_size > 1 or self.enable_expert_parallel or self.deterministic
 
     def __post_init__(self):
         try:
@@ -138,6 +155,21 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give at most one of kv_cache_blocks and kv_cache_memory")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        for name in ("enable_expert_parallel", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not (isinstance(self.parallel_timeout_s, (int, float)) and self.parallel_timeout_s > 0):
+            raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s!r} must be > 0 seconds")
+        if self.parallel:
+            if dev.type != "cpu":
+                raise ValueError("tensor_parallel_size > 1 / enable_expert_parallel / deterministic run on the CPU "
+                                 "(gloo) for now: the NCCL path of the parallel layers is not built yet")
+            if self.speculative_method == "mtp":
+                raise ValueError("speculative_method='mtp' with tensor parallelism is not supported yet (the MTP "
+                                 "layers would need the vocabulary-parallel embedding and head on every rank)")
 
 
 @dataclass
@@ -221,6 +253,13 @@ class LLMEngine:
             self.model_name = str(cfg.model)
             if device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
+        self.parallel = None
+        if cfg.parallel:  # rank 0 of a TP / EP run (memra/parallel/runtime.py): shard, start the workers
+            from ..parallel.runtime import start
+
+            model = start(model, cfg.model, dtype, cfg.tensor_parallel_size, cfg.enable_expert_parallel,
+                          cfg.parallel_timeout_s, threads=torch.get_num_threads())
+            self.parallel = model
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         model.quantize_attention(cfg.attention_weights)
@@ -253,6 +292,8 @@ class LLMEngine:
         # on a GPU each group gets one more block, never allocated: padded decode rows write there
         extra = 1 if device.type == "cuda" else 0
         self.cache = PagedKVCache(groups, [b + extra for b in blocks], cfg.block_size, kv_dtype, device=device)
+        if self.parallel is not None:  # every rank holds the same blocks of its own KV heads
+            self.parallel.announce_cache(groups, [b + extra for b in blocks], cfg.block_size, kv_dtype)
         from .scheduler import Scheduler
 
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -288,6 +329,11 @@ class LLMEngine:
         self._num_aborted = 0
         self._failures: list[tuple[str, Exception]] = []
         self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stops the worker ranks of a parallel run (idempotent; nothing to do otherwise)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _gpu_kv_budget(self, groups, device: torch.device) -> int:
         """Bytes for the KV cache on a GPU: ``gpu_memory_utilization`` of the device's memory

@@ -146,7 +146,7 @@ class PagedBatch:
     """
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], use_kernels: bool | None = None):
-        self.cache = cache
+        self.cache, self.chunks = cache, chunks
         bs = cache.block_size
         dev = cache.k[cache.groups[0].layers[0]].device
         self.use_kernels = dev.type == "cuda" if use_kernels is None else bool(use_kernels)

@@ -70,6 +70,16 @@ class LLM:
         self._next_id = 0
         self.last_metrics: dict[str, float] = {}
 
+    def close(self) -> None:
+        """Stops the worker ranks of a tensor-parallel engine (idempotent; nothing to do otherwise)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ----------------------------------------------------------------- API
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text (special tokens parsed, bos added per the model) or ids.

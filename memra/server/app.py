@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -1228,10 +1229,18 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000, api_key
               f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
               f"\"max_tokens\": 32}}'", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+
+        def stop(e: Exception) -> None:  # a parallel rank died: finish the error responses, then exit
+            server.should_exit = True
+
+        engine.on_fatal = stop
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
         sock.close()
+    if engine.fatal is not None:
+        print(f"memra: stopped: {engine.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

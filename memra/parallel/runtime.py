@@ -1,0 +1,240 @@
+"""Running a tensor/expert-parallel engine: rank 0 holds the scheduler, the block manager and the
+server; ranks 1..N-1 are workers that mirror every model call on their shard.
+
+- :func:`start` (rank 0): spawns the workers on this node (torch.multiprocessing, spawn) unless
+  the process group comes from torchrun (``WORLD_SIZE`` / ``RANK`` in the environment: one
+  process per rank, possibly on several nodes), joins the group, checks that every rank loaded
+  the same model and configuration, shards rank 0's model and returns it wrapped in
+  :class:`TensorParallelModel`.
+- :class:`TensorParallelModel`: the model the engine sees on rank 0. Each forward / logits call
+  is first broadcast to the workers (the step's token ids, positions and the sequences' block
+  tables; the hidden rows for the LM head), then run on rank 0's shard; the collectives inside
+  the parallel layers meet the workers' identical calls.
+- :func:`worker_main` (ranks > 0): load, shard, allocate the paged KV cache rank 0 announces
+  (its own KV heads), then serve the broadcast calls until "stop".
+
+Faults: every collective has the context's timeout; a failed collective (a dead rank) raises
+:class:`ParallelFailure` on the ranks still alive, which the server turns into errors for the
+requests in flight and a non-zero exit. Workers are daemon processes of rank 0 and exit when
+their collectives fail, so no rank outlives the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .group import DEFAULT_PARTS, ParallelContext
+from .shard import shard_model
+
+__all__ = ["ParallelFailure", "TensorParallelModel", "start", "worker_main", "default_parts"]
+
+
+class ParallelFailure(RuntimeError):
+    """A collective failed (a rank died or timed out): the parallel run cannot continue."""
+
+
+def default_parts(world: int) -> int:
+    """Canonical parts for a TP size: 4 when it divides 4 (TP 1, 2, 4 give the same bits), else world."""
+    return DEFAULT_PARTS if DEFAULT_PARTS % world == 0 else world
+
+
+def _fingerprint(model, spec: dict) -> str:
+    """A digest of the configuration and of every parameter/buffer shape and a sample of its values."""
+    h = hashlib.sha256(repr(sorted(spec.items())).encode())
+    h.update(repr(model.config).encode())
+    for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+        if t is None:
+            continue
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            h.update(flat[:: max(1, flat.numel() // 64)][:64].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_same(ctx: ParallelContext, digest: str) -> None:
+    if ctx.world == 1:
+        return
+    got = [None] * ctx.world
+    dist.all_gather_object(got, digest, group=ctx.group)
+    bad = [r for r, d in enumerate(got) if d != got[0]]
+    if bad:
+        raise RuntimeError(f"tensor parallel start-up: ranks {bad} loaded a different model or configuration "
+                           f"than rank 0 (fingerprints {[d[:12] for d in got]})")
+
+
+def _send(ctx: ParallelContext, msg) -> None:
+    if ctx.world == 1:
+        return
+    try:
+        dist.broadcast_object_list([msg], src=0, group=ctx.group)
+    except Exception as ex:  # noqa: BLE001 - any collective failure ends the run
+        raise ParallelFailure(f"tensor parallel: a worker rank is gone ({type(ex).__name__}: {ex})") from ex
+
+
+def _recv(ctx: ParallelContext):
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return box[0]
+
+
+class TensorParallelModel(nn.Module):
+    """Rank 0's shard, with every call mirrored on the workers (module docstring).
+    Attribute access falls through to the shard (config, dtype, layers, norm, ...)."""
+
+    def __init__(self, shard, ctx: ParallelContext, procs: list):
+        super().__init__()
+        self.shard, self.ctx, self.procs = shard, ctx, procs
+        self.closed = False
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.shard, name)
+
+    def _guard(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except ParallelFailure:
+            raise
+        except RuntimeError as ex:  # gloo errors surface as RuntimeError from the collectives
+            if "gloo" in str(ex).lower() or "connection" in str(ex).lower() or "timed out" in str(ex).lower():
+                raise ParallelFailure(f"tensor parallel: a collective failed ({ex})") from ex
+            raise
+
+    def forward(self, input_ids, positions, kv, *, prenorm: bool = False, both: bool = False):
+        chunks = [(c.start, c.num_new, c.block_tables) for c in kv.chunks]
+        _send(self.ctx, ("forward", input_ids, positions, chunks, prenorm, both))
+        return self._guard(self.shard, input_ids, positions, kv, prenorm=prenorm, both=both)
+
+    def logits(self, hidden):
+        _send(self.ctx, ("logits", hidden))
+        return self._guard(self.shard.logits, hidden)
+
+    def announce_cache(self, groups, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> None:
+        """Tells the workers to allocate their paged KV cache (their own KV heads, same blocks)."""
+        _send(self.ctx, ("cache", groups, num_blocks, block_size, dtype))
+
+    def close(self) -> None:
+        """Stops the workers and leaves the process group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            _send(self.ctx, ("stop",))
+        except ParallelFailure:
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        self.ctx.close()
+
+
+def _load_and_shard(model: str, dtype: torch.dtype, ctx: ParallelContext):
+    from ..engine.engine import _load
+
+    m, _, tok = _load(model, dtype, torch.device("cpu"), progress=False)
+    return shard_model(m, ctx), tok
+
+
+def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype, ep: bool, parts: int,
+                timeout_s: float, threads: int | None = None) -> None:
+    """A worker rank: load + shard, check the fingerprint, then mirror rank 0's calls until "stop".
+    Exits (non-zero through the raised error) when a collective fails."""
+    from ..engine.kv_cache import PagedBatch, PagedKVCache, SeqChunk
+
+    if threads:
+        torch.set_num_threads(threads)
+    ctx = ParallelContext.init(rank, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
+    try:
+        shard, _ = _load_and_shard(model, dtype, ctx)
+        spec = dict(model=str(model), dtype=str(dtype), ep=ep, parts=parts, world=world)
+        _check_same(ctx, _fingerprint(_unsharded_view(shard), spec))
+        cache = None
+        with torch.inference_mode():
+            while True:
+                msg = _recv(ctx)
+                if msg[0] == "stop":
+                    break
+                if msg[0] == "cache":
+                    _, groups, nb, bs, dt = msg
+                    cache = PagedKVCache(groups, nb, bs, dt)
+                elif msg[0] == "forward":
+                    _, ids, pos, chunks, prenorm, both = msg
+                    kv = PagedBatch(cache, [SeqChunk(s, n, bt) for s, n, bt in chunks], use_kernels=False)
+                    shard(ids, pos, kv, prenorm=prenorm, both=both)
+                elif msg[0] == "logits":
+                    shard.logits(msg[1])
+    finally:
+        ctx.close()
+
+
+def _unsharded_view(shard):
+    """What every rank's fingerprint covers: the replicated parts (norms, routers) and the config;
+    the sharded weights differ by rank by design."""
+    class View(nn.Module):
+        pass
+
+    v = View()
+    v.config = dataclass_without_layers(shard.config)
+    v.norm = shard.norm
+    routers = [layer.mlp.router for layer in shard.layers if hasattr(layer.mlp, "router")]
+    for i, r in enumerate(routers):
+        v.register_buffer(f"router{i}", r, persistent=False)
+    return v
+
+
+def dataclass_without_layers(config):
+    import dataclasses
+
+    return dataclasses.replace(config, layers=[dataclasses.replace(lc, num_heads=0, num_kv_heads=0)
+                                               for lc in config.layers])
+
+
+def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, timeout_s: float,
+          threads: int | None = None) -> TensorParallelModel:
+    """Rank 0 of a TP run over ``world`` ranks: spawn the workers (or join torchrun's group), shard
+    ``model`` (loaded on the CPU from ``model_name``), check every rank's fingerprint.
+
+    Raises: ValueError for a model on a GPU path (the parallel layers are CPU for now) or a split
+    that cuts a head / block (names the tensor); RuntimeError if the ranks disagree or the
+    rendezvous fails within the timeout."""
+    import torch.multiprocessing as mp
+
+    parts = default_parts(world)
+    procs = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank is its own process already
+        if int(os.environ["WORLD_SIZE"]) != world or int(os.environ.get("RANK", "0")) != 0:
+            raise ValueError(f"torchrun: WORLD_SIZE={os.environ['WORLD_SIZE']} RANK={os.environ.get('RANK')} but "
+                             f"--tensor-parallel-size {world}: rank 0 runs the engine, the others `memra worker`")
+        init = "env://"
+    else:
+        init = f"file://{tempfile.mkdtemp(prefix='memra-tp-')}/rendezvous"
+        ctx_mp = mp.get_context("spawn")
+        for r in range(1, world):
+            p = ctx_mp.Process(target=worker_main, args=(r, world, init, model_name, dtype, ep, parts, timeout_s,
+                                                         threads), daemon=True, name=f"memra-tp-rank{r}")
+            p.start()
+            procs.append(p)
+    try:
+        ctx = ParallelContext.init(0, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
+        shard = shard_model(model, ctx)
+        spec = dict(model=str(model_name), dtype=str(dtype), ep=ep, parts=parts, world=world)
+        _check_same(ctx, _fingerprint(_unsharded_view(shard), spec))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    import atexit
+
+    tp = TensorParallelModel(shard, ctx, procs)
+    atexit.register(tp.close)
+    return tp
