@@ -485,6 +485,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _torchrun_worker(a: argparse.Namespace) -> int | None:
+    """Under torchrun (``WORLD_SIZE`` > 1 in the environment) the same ``memra serve | generate |
+    chat`` command runs on every rank: rank 0 runs it, the others become tensor-parallel workers
+    (memra/parallel/runtime.py ``worker_main``) and return 0 when rank 0 stops them. None: not a
+    worker rank."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world <= 1 or rank == 0 or not hasattr(a, "tensor_parallel_size"):
+        return None
+    if a.tensor_parallel_size != world:
+        raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {a.tensor_parallel_size}")
+    import torch
+
+    from .engine.engine import DTYPES
+    from .parallel.runtime import default_parts, worker_main
+
+    worker_main(rank, world, "env://", a.model, DTYPES[a.dtype or "float32"], a.enable_expert_parallel,
+                default_parts(world), a.parallel_timeout, threads=torch.get_num_threads())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -495,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(threads)
+        worker = _torchrun_worker(args)
+        if worker is not None:
+            return worker
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

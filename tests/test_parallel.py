@@ -138,3 +138,98 @@ def test_shard_keeps_local_heads_in_the_config(tiny_path):
     assert full.num_kv_heads == 1 and sliding.num_kv_heads == 1  # 2 KV heads over 2 ranks
 
 
+
+
+# ---------------------------------------------------------------------------------------- the engine
+
+
+def test_llm_tensor_and_expert_parallel_generate_like_one_rank(tiny_path):
+    """Through LLM (paged KV cache, continuous batching with more prompts than sequences, a
+    prefix-cache hit, preemption in a cache too small for the batch): TP 2 and EP 2 give the same
+    tokens and the same logprobs (bit-identical logits) as the canonical path on one rank
+    (``deterministic``), and the same greedy tokens as the plain model."""
+    from memra import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    long = [0, 5, 77, 300, 12, 9, 4, 88, 91, 13, 2, 6, 410, 33, 70, 71, 72]  # two full blocks: cached
+    prompts = [long, [0, 9, 401, 33], [0, 250, 3, 3, 3, 7, 8, 200, 17], [0, 44, 45, 46]]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    common = dict(max_model_len=48, max_num_seqs=4, kv_cache_blocks=9, block_size=8)
+
+    def run(**kw):
+        with LLM(tiny_path, **common, **kw) as llm:
+            out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate([long], sp)]
+            out += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)]  # a hit
+            e = llm.engine
+            return out, e.scheduler.num_preemptions, e.kv.prefix_hits
+
+    plain, _, _ = run()
+    for ep in (False, True):  # EP's canonical form keeps experts whole: its one-rank twin is EP at TP 1
+        canon, _, _ = run(deterministic=True, enable_expert_parallel=ep)
+        assert [t for t, _ in plain] == [t for t, _ in canon]
+        got, pre, hits = run(tensor_parallel_size=2, enable_expert_parallel=ep)
+        assert got == canon, ep
+        assert pre > 0 and hits > 0, (ep, pre, hits)
+
+
+def _free_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.slow
+def test_serve_tp2_answers_then_a_killed_worker_stops_it(tiny_path):
+    """``memra serve --tensor-parallel-size 2`` answers through the openai client with the tokens of
+    one rank; then a killed worker rank: the next request gets an error within the collective
+    timeout, the server exits non-zero, and no rank process is left."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import openai
+    import psutil
+
+    from memra import LLM, SamplingParams
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "memra", "serve", "--model", tiny_path, "--port", str(port),
+                             "--tensor-parallel-size", "2", "--parallel-timeout", "20", "--max-model-len", "128",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(1)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        text = client.completions.create(model=tiny_path, prompt="hello world", max_tokens=12, temperature=0).choices[0].text
+        with LLM(tiny_path, max_model_len=128, deterministic=True) as one:
+            ref = one.generate(["hello world"], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
+        assert text == ref
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if "memra-tp" in " ".join(c.cmdline()) or "spawn_main" in " ".join(c.cmdline())]
+        assert ranks, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
+        ranks[0].kill()
+        t0 = time.time()
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=tiny_path, prompt="hello again", max_tokens=12, temperature=0)
+        assert time.time() - t0 < 60
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log = proc.communicate()[0]
+        print(log[-3000:])
+    time.sleep(1)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if tiny_path in " ".join(p.info["cmdline"] or [])
+                and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
