@@ -9,6 +9,8 @@ file rendezvous), one thread each."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -233,3 +235,34 @@ def test_serve_tp2_answers_then_a_killed_worker_stops_it(tiny_path):
     time.sleep(1)
     assert not [p for p in psutil.process_iter(["cmdline"]) if tiny_path in " ".join(p.info["cmdline"] or [])
                 and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_generate_like_one_rank(tiny_path):
+    """Two torchrun agents on localhost (``--nnodes 2 --node-rank 0|1``, one process each), the same
+    ``memra generate --tensor-parallel-size 2`` on both: rank 0 prints the tokens of one rank."""
+    import subprocess
+    import sys
+
+    from memra import LLM, SamplingParams
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    gen = ["-m", "memra", "generate", "--model", tiny_path, "--prompt", "hello world", "--max-tokens", "10",
+           "--temperature", "0", "--tensor-parallel-size", "2", "--threads", "1", "--parallel-timeout", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd + ["--node-rank", str(r)] + gen, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    with LLM(tiny_path, max_model_len=256, deterministic=True) as one:
+        ref = one.generate(["hello world"], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0].text
+    assert ref.strip() and outs[0][0].strip() == ref.strip(), (outs[0][0], ref)
