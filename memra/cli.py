@@ -244,13 +244,24 @@ def _inspect_config_only(a: argparse.Namespace) -> int:
         config, where = ModelConfig.from_hf_config(ck.config, str(d / "config.json")), str(d)
         where += f" ({len(ck.names())} tensors, {ck.parameter_count():,} parameters in the safetensors files)"
     acct = step35_bytes(config, context=a.context) if config.arch == "step35" else None
+    tp = getattr(a, "tensor_parallel_size", 1)
+    pr = None
+    if acct and (tp > 1 or a.enable_expert_parallel):
+        from .roofline import per_rank_bytes
+
+        pr = per_rank_bytes(config, acct, tp, a.enable_expert_parallel)
     if a.json:
-        print(json.dumps({"source": where, "config": config.summary(), "bytes": acct}, indent=2, default=str))
+        print(json.dumps({"source": where, "config": config.summary(), "bytes": acct, "per_rank": pr}, indent=2,
+                         default=str))
         return 0
     print(f"source      {where}")
     print("config      " + ", ".join(f"{k}={v}" for k, v in config.summary().items()))
     if acct:
         print(format_bytes_table(acct))
+    if pr:
+        from .roofline import format_per_rank_table
+
+        print(format_per_rank_table(pr))
     return 0
 
 
@@ -395,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters, resident and per-decode-step bytes by format")
     i.add_argument("--context", type=int, default=0, help="tokens in the KV cache for the KV-read figure")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
+    i.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="with --geometry or a HF directory: also the bytes per rank at this TP size")
+    i.add_argument("--enable-expert-parallel", action="store_true", help="per-rank bytes with the experts split by expert")
     i.add_argument("--metadata", action="store_true", help="also print every metadata key (arrays summarised)")
     i.set_defaults(func=cmd_inspect)
 

@@ -143,3 +143,64 @@ def format_bytes_table(acct: dict[str, Any]) -> str:
     if acct["context"]:
         lines.append(f"KV cache read per decode step at {acct['context']} tokens (bf16): {acct['kv_cache'] / G:.3f} {unit}")
     return "\n".join(lines)
+
+
+def per_rank_bytes(config: ModelConfig, acct: dict[str, Any], tp: int, ep: bool) -> dict[str, Any]:
+    """Resident and per-decode-step bytes on the busiest rank of a TP ``tp`` (+ EP) run, from the
+    accounting of :func:`step35_bytes`, following memra/parallel/shard.py's plan: query heads, the
+    head gate, o_proj, dense MLPs, shared experts, embedding and LM head split ``tp`` ways (the
+    largest share: ceil); KV heads split while there are enough (``ceil(KV / tp)``, else one,
+    replicated); norms, routers and the MTP layers replicated; routed experts split by expert (EP)
+    or along their width (TP), ``1 / tp`` of the bytes either way (EP at batch 1: the mean share of
+    the top-k, ``k / tp`` experts; one rank may get more). KV cache read: the rank's KV heads.
+
+    Returns {"tp", "ep", "resident": {format: {part: bytes}}, "decode": {format: {part: bytes}},
+    "kv_cache"} with ``total`` in each. Raises ValueError for tp < 1."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size {tp} must be >= 1")
+    D = config.hidden_size
+
+    def share(n: int) -> float:
+        return _ceil(n, tp) / n if n else 0.0
+
+    attn_full = attn_rank = 0
+    kv_rank = 0
+    for lc in config.layers:
+        H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
+        hr = _ceil(H, tp)
+        kvr = _ceil(KV, tp) if tp <= KV else 1
+        attn_full += _attn_params(lc, D)
+        attn_rank += hr * Dh * D + 2 * kvr * Dh * D + hr * D + D * hr * Dh
+        seen = acct["context"] if lc.sliding_window is None else min(acct["context"], lc.sliding_window)
+        kv_rank += 2 * kvr * Dh * 2 * seen
+    f_attn = attn_rank / attn_full if attn_full else 0.0
+    split = {"attention": f_attn, "dense_mlp": share(config.intermediate_size),
+             "shared_experts": share(config.moe.shared_intermediate_size) if config.moe else 0.0,
+             "embed": share(config.vocab_size), "lm_head": share(config.vocab_size),
+             "routed_experts": 1.0 / tp, "norms": 1.0, "router": 1.0, "mtp": 1.0}
+    out: dict[str, Any] = {"tp": tp, "ep": ep, "resident": {}, "decode": {}, "kv_cache": kv_rank}
+    for fmt in FORMAT_NAMES:
+        r = {p: acct["resident"][fmt][p] * split[p] for p in split}
+        r["total"] = sum(r.values())
+        out["resident"][fmt] = r
+        d = {p: acct["decode"][fmt][p] * split[p] for p in split if p != "mtp"}
+        d["embed"] = acct["decode"][fmt]["embed"]  # the looked-up row is read on its owner only; ~ one row
+        d["total"] = sum(d.values())
+        out["decode"][fmt] = d
+    return out
+
+
+def format_per_rank_table(pr: dict[str, Any]) -> str:
+    """:func:`per_rank_bytes` as a plain-text table (GB)."""
+    parts = ["embed", "lm_head", "attention", "norms", "dense_mlp", "router", "routed_experts", "shared_experts", "mtp"]
+    lines = [f"per rank at TP {pr['tp']}{' + EP' if pr['ep'] else ''} (busiest rank; GB)",
+             f"{'part':<16}" + "".join(f"{'res ' + f:>11}" for f in FORMAT_NAMES)
+             + "".join(f"{'dec ' + f:>11}" for f in FORMAT_NAMES)]
+    for part in parts:
+        lines.append(f"{part:<16}" + "".join(f"{pr['resident'][f][part] / 1e9:>11.3f}" for f in FORMAT_NAMES)
+                     + "".join(f"{pr['decode'][f].get(part, 0.0) / 1e9:>11.3f}" for f in FORMAT_NAMES))
+    lines.append(f"{'total':<16}" + "".join(f"{pr['resident'][f]['total'] / 1e9:>11.3f}" for f in FORMAT_NAMES)
+                 + "".join(f"{pr['decode'][f]['total'] / 1e9:>11.3f}" for f in FORMAT_NAMES))
+    if pr["kv_cache"]:
+        lines.append(f"KV cache read per decode step on the rank (bf16): {pr['kv_cache'] / 1e9:.3f} GB")
+    return "\n".join(lines)

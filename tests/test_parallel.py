@@ -266,3 +266,26 @@ def test_two_torchrun_nodes_generate_like_one_rank(tiny_path):
     with LLM(tiny_path, max_model_len=256, deterministic=True) as one:
         ref = one.generate(["hello world"], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0].text
     assert ref.strip() and outs[0][0].strip() == ref.strip(), (outs[0][0], ref)
+
+
+def test_inspect_bytes_per_rank():
+    """``memra inspect --geometry full -tp 2 --enable-expert-parallel``: TP 1 per-rank bytes are the
+    whole model's; at TP 2 + EP the FP8-expert flagship's share fits one H200 and the split parts
+    halve while the replicated ones (norms, routers, MTP) do not."""
+    from memra.cli import main
+    from memra.io.synthetic import load_geometry, model_config
+    from memra.roofline import per_rank_bytes, step35_bytes
+
+    config = model_config(load_geometry("full"))
+    acct = step35_bytes(config, context=1024)
+    one = per_rank_bytes(config, acct, 1, False)
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        assert abs(one["resident"][fmt]["total"] - acct["resident"][fmt]["total"]) < 1.0
+        assert abs(one["decode"][fmt]["total"] - acct["decode"][fmt]["total"]) < 1.0
+    two = per_rank_bytes(config, acct, 2, True)
+    r1, r2 = one["resident"]["fp8"], two["resident"]["fp8"]
+    assert r2["routed_experts"] == r1["routed_experts"] / 2 and r2["mtp"] == r1["mtp"] and r2["router"] == r1["router"]
+    assert 0.5 * r1["total"] < r2["total"] < 141e9  # an H200 holds one rank's share of the FP8 flagship
+    with pytest.raises(ValueError, match="must be >= 1"):
+        per_rank_bytes(config, acct, 0, False)
+    assert main(["inspect", "--geometry", "full", "--tensor-parallel-size", "2", "--enable-expert-parallel"]) == 0
