@@ -114,6 +114,17 @@ def test_smollm2_bit_identical_across_tp(tmp_path):
         assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
     for world in (2, 4):
         assert _same(_run("smollm2", "smollm2-135m", world, False, tmp_path), ref), world
+    # through the engine: TP 2 generates the canonical one-rank tokens and logprobs, and the plain greedy tokens
+    from memra import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    outs = []
+    for kw in ({}, dict(deterministic=True), dict(tensor_parallel_size=2)):
+        with LLM("smollm2-135m", max_model_len=256, **kw) as llm:
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)])
+    assert outs[1] == outs[2]
+    assert [t for t, _ in outs[0]] == [t for t, _ in outs[1]]
 
 
 def test_splits_that_cut_a_block_or_head_are_refused(tiny_path):
@@ -172,6 +183,11 @@ def test_llm_tensor_and_expert_parallel_generate_like_one_rank(tiny_path):
         got, pre, hits = run(tensor_parallel_size=2, enable_expert_parallel=ep)
         assert got == canon, ep
         assert pre > 0 and hits > 0, (ep, pre, hits)
+    # speculation on top (ngram drafts verified by the parallel model): the same greedy tokens
+    spec, _, _ = run(tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=3)
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    with pytest.raises(ValueError, match="mtp"):
+        LLM(tiny_path, tensor_parallel_size=2, speculative_method="mtp", num_speculative_tokens=1)
 
 
 def _free_port() -> int:
