@@ -149,6 +149,7 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
                 timeout_s: float, threads: int | None = None) -> None:
     """A worker rank: load + shard, check the fingerprint, then mirror rank 0's calls until "stop".
     Exits (non-zero through the raised error) when a collective fails."""
+    from ..engine.block_manager import kv_groups
     from ..engine.kv_cache import PagedBatch, PagedKVCache, SeqChunk
 
     if threads:
@@ -164,8 +165,12 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
                 msg = _recv(ctx)
                 if msg[0] == "stop":
                     break
-                if msg[0] == "cache":
-                    _, groups, nb, bs, dt = msg
+                if msg[0] == "cache":  # rank 0's groups and blocks; this rank's own KV heads
+                    _, groups0, nb, bs, dt = msg
+                    groups = kv_groups(shard.config)
+                    if [g.layers for g in groups] != [g.layers for g in groups0]:
+                        raise RuntimeError(f"rank {rank}: KV-cache groups {[g.layers for g in groups]} differ from "
+                                           f"rank 0's {[g.layers for g in groups0]}")
                     cache = PagedKVCache(groups, nb, bs, dt)
                 elif msg[0] == "forward":
                     _, ids, pos, chunks, prenorm, both = msg
