@@ -173,17 +173,16 @@ def test_draft_model_self_draft_accepts_and_stays_exact():
     plain = LLM("smollm2-135m", max_model_len=512, max_num_seqs=8)
     spec = LLM("smollm2-135m", max_model_len=512, max_num_seqs=8, speculative_method="draft",
                speculative_model="smollm2-135m", num_speculative_tokens=4)
-    for params, n in ((SamplingParams(max_tokens=48, temperature=0.0), 8),
-                      (SamplingParams(max_tokens=9, temperature=0.0), 4),
+    for params, n in ((SamplingParams(max_tokens=40, temperature=0.0), 6),
                       (SamplingParams(max_tokens=32, temperature=0.0, stop=["\n\n"], logprobs=2), 4),
-                      (SamplingParams(max_tokens=16, temperature=0.0, n=2), 2)):
+                      (SamplingParams(max_tokens=9, temperature=0.0, n=2), 2)):
         assert _run(plain, PROMPTS[:n], params) == _run(spec, PROMPTS[:n], params), params
     e = spec.engine
-    assert sum(e.spec_accepted) > 0.9 * sum(e.spec_drafted) > 200, (e.spec_drafted, e.spec_accepted)
+    assert sum(e.spec_accepted) > 0.9 * sum(e.spec_drafted) > 150, (e.spec_drafted, e.spec_accepted)
     assert e.proposer.cache.manager.num_used_blocks == 0
     # a prefix-cache hit (the same prompts again) and preemption (a cache too small for the batch)
     hits = e.kv.prefix_hits
-    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
     assert _run(plain, PROMPTS[:4], greedy) == _run(spec, PROMPTS[:4], greedy)
     assert e.kv.prefix_hits > hits
     tight = LLM.from_engine(LLMEngine(
