@@ -371,9 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' (None: $MEMRA_API_KEY if set, else no key)")
     sv.add_argument("--served-model-name", default=None, help="name clients send as 'model' (None: the --model value)")
-    sv.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    sv.add_argument("--max-num-batched-tokens", type=int, default=512,
-                    help="most tokens per engine step")
+    sv.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most sequences running at once (None: 64 on the CPU, 256 on a GPU)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="most tokens per engine step: the prefill chunk (None: 512 on the CPU, 4096 on a GPU)")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (None: the model's)")
     sv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     kv = sv.add_mutually_exclusive_group()
