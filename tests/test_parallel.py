@@ -305,3 +305,51 @@ def test_inspect_bytes_per_rank():
     with pytest.raises(ValueError, match="must be >= 1"):
         per_rank_bytes(config, acct, 0, False)
     assert main(["inspect", "--geometry", "full", "--tensor-parallel-size", "2", "--enable-expert-parallel"]) == 0
+
+
+def test_shards_own_their_storage(tiny_path):
+    """A shard keeps copies of its slices, not views of the unsharded weights (so they are freed):
+    rank 1 of 2 holds about half of the model's bytes."""
+    full = _load("tiny", tiny_path)
+    total = sum(b.numel() * b.element_size() for b in full.buffers())
+    shard = shard_model(_load("tiny", tiny_path), ParallelContext(1, 2, parts=4))
+    seen, held = set(), 0
+    for m in shard.modules():
+        ts = list(getattr(m, "weights", [])) + [getattr(m, "table", None)] + list(m.buffers(recurse=False))
+        for gu, dn in getattr(m, "experts", {}).values() if isinstance(getattr(m, "experts", None), dict) else ():
+            ts += gu + dn
+        for t in ts:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    held += st.nbytes()
+                    assert st.nbytes() == t.numel() * t.element_size(), t.shape  # own storage, exactly its size
+    assert held < 0.75 * total, (held, total)  # about half, plus what is replicated (norms, routers, MTP layers)
+
+
+def test_idle_past_the_timeout_and_a_failed_worker_start(tiny_path):
+    """The control messages have no short timeout: an engine idle for longer than
+    parallel_timeout_s still serves. A worker that cannot load its model fails the start at once
+    with that rank's error text, and leaves nothing behind (a new TP engine starts fine)."""
+    import time
+
+    from memra import LLM, SamplingParams
+    from memra.engine.engine import EngineConfig, LLMEngine
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    with LLM(tiny_path, max_model_len=64, tensor_parallel_size=2, parallel_timeout_s=2) as llm:
+        a = llm.generate(["hello"], sp)[0].outputs[0].token_ids
+        time.sleep(4)
+        assert llm.generate(["hello"], sp)[0].outputs[0].token_ids == a
+    model = _load("tiny", tiny_path)
+    from memra.io.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(tiny_path)
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="rank 1: .*(FileNotFound|not found|No such)"):
+        LLMEngine(EngineConfig(model="/nonexistent/model", tensor_parallel_size=2, max_model_len=64), model=model,
+                  tokenizer=tok)
+    assert time.time() - t0 < 60
+    with LLM(tiny_path, max_model_len=64, tensor_parallel_size=2) as llm:
+        assert llm.generate(["hello"], sp)[0].outputs[0].token_ids == a

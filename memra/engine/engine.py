@@ -167,8 +167,9 @@ class EngineConfig:
         for name in ("enable_expert_parallel", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if not (isinstance(self.parallel_timeout_s, (int, float)) and self.parallel_timeout_s > 0):
-            raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s!r} must be > 0 seconds")
+        if not (isinstance(self.parallel_timeout_s, (int, float)) and not isinstance(self.parallel_timeout_s, bool)
+                and 0 < self.parallel_timeout_s < float("inf")):
+            raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s!r} must be a finite number of seconds > 0")
         if self.parallel:
             if dev.type != "cpu":
                 raise ValueError("tensor_parallel_size > 1 / enable_expert_parallel / deterministic run on the CPU "
@@ -246,6 +247,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False, model=None,
                  tokenizer: Tokenizer | None = None):
+        self.parallel = None
+        try:
+            self._init(config, progress, model, tokenizer)
+        except BaseException:  # a parallel run's workers and process group must not outlive a failed start
+            if self.parallel is not None:
+                self.parallel.close()
+            raise
+
+    def _init(self, config: EngineConfig | None, progress: bool, model, tokenizer: Tokenizer | None) -> None:
         cfg = config or EngineConfig()
         self.engine_config = cfg
         t0 = time.perf_counter()
@@ -259,7 +269,6 @@ class LLMEngine:
             self.model_name = str(cfg.model)
             if device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
-        self.parallel = None
         if cfg.parallel:  # rank 0 of a TP / EP run (memra/parallel/runtime.py): shard, start the workers
             from ..parallel.runtime import start
 

@@ -24,7 +24,11 @@ class ParallelContext:
             :mod:`memra.parallel`).
         expert_parallel: routed experts split by expert (EP) instead of along their intermediate
             dimension.
-        group: the torch.distributed process group (None when ``world == 1``: no collectives).
+        group: the torch.distributed process group of the model's collectives (None when
+            ``world == 1``: no collectives); its timeout is ``timeout_s``.
+        control: a second gloo group for rank 0's messages to the workers (start-up checks, each
+            step's inputs): no short timeout, so that an idle server or a slow load on another rank
+            is not mistaken for a dead rank (a dead peer still fails at once: its socket closes).
         timeout_s: collective timeout (a rank that dies makes the others fail after this many
             seconds instead of hanging).
 
@@ -37,6 +41,7 @@ class ParallelContext:
     expert_parallel: bool = False
     group: object = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    control: object = None
     _owned: range = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +65,7 @@ class ParallelContext:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             ctx.group = dist.group.WORLD
+            ctx.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
         return ctx
 
     @property

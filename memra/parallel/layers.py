@@ -40,8 +40,8 @@ class ColumnParallel(nn.Module):
                  full_out: tuple[int, int] | None = None):
         super().__init__()
         self.ctx, self.full_out = ctx, full_out
-        self.weights = [w.contiguous() for w, _ in blocks]
-        self.biases = [b for _, b in blocks]
+        self.weights = [w.clone() for w, _ in blocks]  # own storage: the unsharded weight can be freed
+        self.biases = [None if b is None else b.clone() for _, b in blocks]
         self.dtype = self.weights[0].dtype
         self.in_features = self.weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in self.weights)
@@ -72,7 +72,7 @@ class RowParallel(nn.Module):
         if len(weights) != len(ctx.owned_parts):
             raise ValueError(f"RowParallel: {len(weights)} weight parts for {len(ctx.owned_parts)} owned parts")
         self.ctx, self.bias = ctx, bias
-        self.weights = [w.contiguous() for w in weights]
+        self.weights = [w.clone(memory_format=torch.contiguous_format) for w in weights]
         self.sizes = [w.shape[1] for w in self.weights]
         self.dtype = self.weights[0].dtype
         self.out_features = self.weights[0].shape[0]

@@ -45,7 +45,8 @@ def default_parts(world: int) -> int:
 
 
 def _fingerprint(model, spec: dict) -> str:
-    """A digest of the configuration and of every parameter/buffer shape and a sample of its values."""
+    """A digest of the configuration and of every parameter/buffer of the unsharded model: its
+    name, shape, dtype and a strided sample of 64 values (plus the sum of all values)."""
     h = hashlib.sha256(repr(sorted(spec.items())).encode())
     h.update(repr(model.config).encode())
     for name, t in list(model.named_buffers()) + list(model.named_parameters()):
@@ -53,16 +54,24 @@ def _fingerprint(model, spec: dict) -> str:
             continue
         h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
         flat = t.detach().reshape(-1)
-        if flat.numel():
+        if flat.numel() and flat.is_floating_point():
             h.update(flat[:: max(1, flat.numel() // 64)][:64].float().numpy().tobytes())
+            h.update(repr(float(flat.double().sum())).encode())
+        elif flat.numel():
+            h.update(flat[:: max(1, flat.numel() // 64)][:64].numpy().tobytes())
     return h.hexdigest()
 
 
 def _check_same(ctx: ParallelContext, digest: str) -> None:
+    """All ranks' start-up results compared: a digest each, or ``"ERROR ..."`` from a rank that
+    failed to load (its error text is raised here on every rank). Raises RuntimeError."""
     if ctx.world == 1:
         return
     got = [None] * ctx.world
-    dist.all_gather_object(got, digest, group=ctx.group)
+    dist.all_gather_object(got, digest, group=ctx.control)
+    errors = [(r, d) for r, d in enumerate(got) if d.startswith("ERROR ")]
+    if errors:
+        raise RuntimeError("tensor parallel start-up failed: " + "; ".join(f"rank {r}: {d[6:]}" for r, d in errors))
     bad = [r for r, d in enumerate(got) if d != got[0]]
     if bad:
         raise RuntimeError(f"tensor parallel start-up: ranks {bad} loaded a different model or configuration "
@@ -73,14 +82,14 @@ def _send(ctx: ParallelContext, msg) -> None:
     if ctx.world == 1:
         return
     try:
-        dist.broadcast_object_list([msg], src=0, group=ctx.group)
+        dist.broadcast_object_list([msg], src=0, group=ctx.control)
     except Exception as ex:  # noqa: BLE001 - any collective failure ends the run
         raise ParallelFailure(f"tensor parallel: a worker rank is gone ({type(ex).__name__}: {ex})") from ex
 
 
 def _recv(ctx: ParallelContext):
     box = [None]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    dist.broadcast_object_list(box, src=0, group=ctx.control)
     return box[0]
 
 
@@ -92,6 +101,8 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.shard, self.ctx, self.procs = shard, ctx, procs
         self.closed = False
+        self.broken: str | None = None  # set when a call failed half-way: the ranks are out of step
+        self.rendezvous_dir: str | None = None
 
     def __getattr__(self, name: str):
         try:
@@ -99,22 +110,30 @@ class TensorParallelModel(nn.Module):
         except AttributeError:
             return getattr(self.shard, name)
 
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise ParallelFailure(f"tensor parallel: the ranks are out of step since a call failed ({self.broken}); "
+                                  f"start a new engine")
+        if self.closed:
+            raise ParallelFailure("tensor parallel: the engine was closed")
+
     def _guard(self, fn, *args, **kw):
         try:
             return fn(*args, **kw)
-        except ParallelFailure:
-            raise
-        except RuntimeError as ex:  # gloo errors surface as RuntimeError from the collectives
-            if "gloo" in str(ex).lower() or "connection" in str(ex).lower() or "timed out" in str(ex).lower():
-                raise ParallelFailure(f"tensor parallel: a collective failed ({ex})") from ex
+        except BaseException as ex:  # a failed or interrupted call leaves the workers inside its collectives
+            self.broken = f"{type(ex).__name__}: {ex}"
+            if isinstance(ex, RuntimeError) and not isinstance(ex, ParallelFailure):
+                raise ParallelFailure(f"tensor parallel: a call failed ({ex})") from ex
             raise
 
     def forward(self, input_ids, positions, kv, *, prenorm: bool = False, both: bool = False):
+        self._check()
         chunks = [(c.start, c.num_new, c.block_tables) for c in kv.chunks]
         _send(self.ctx, ("forward", input_ids, positions, chunks, prenorm, both))
         return self._guard(self.shard, input_ids, positions, kv, prenorm=prenorm, both=both)
 
     def logits(self, hidden):
+        self._check()
         _send(self.ctx, ("logits", hidden))
         return self._guard(self.shard.logits, hidden)
 
@@ -127,6 +146,9 @@ class TensorParallelModel(nn.Module):
         if self.closed:
             return
         self.closed = True
+        import atexit
+
+        atexit.unregister(self.close)
         try:
             _send(self.ctx, ("stop",))
         except ParallelFailure:
@@ -136,13 +158,10 @@ class TensorParallelModel(nn.Module):
             if p.is_alive():
                 p.kill()
         self.ctx.close()
+        if self.rendezvous_dir:
+            import shutil
 
-
-def _load_and_shard(model: str, dtype: torch.dtype, ctx: ParallelContext):
-    from ..engine.engine import _load
-
-    m, _, tok = _load(model, dtype, torch.device("cpu"), progress=False)
-    return shard_model(m, ctx), tok
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
 def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype, ep: bool, parts: int,
@@ -156,9 +175,17 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
         torch.set_num_threads(threads)
     ctx = ParallelContext.init(rank, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
     try:
-        shard, _ = _load_and_shard(model, dtype, ctx)
-        spec = dict(model=str(model), dtype=str(dtype), ep=ep, parts=parts, world=world)
-        _check_same(ctx, _fingerprint(_unsharded_view(shard), spec))
+        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world)
+        try:
+            from ..engine.engine import _load
+
+            m, _, _ = _load(model, dtype, torch.device("cpu"), progress=False)
+            digest = _fingerprint(m, spec)
+            shard = shard_model(m, ctx)
+        except Exception as ex:  # told to every rank through the start-up check, then raised here too
+            _check_same(ctx, f"ERROR {type(ex).__name__}: {ex}")
+            raise
+        _check_same(ctx, digest)
         cache = None
         with torch.inference_mode():
             while True:
@@ -182,26 +209,6 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
         ctx.close()
 
 
-def _unsharded_view(shard):
-    """What every rank's fingerprint covers: the replicated parts (norms, routers) and the config;
-    the sharded weights differ by rank by design."""
-    class View(nn.Module):
-        pass
-
-    v = View()
-    v.config = dataclass_without_layers(shard.config)
-    v.norm = shard.norm
-    routers = [layer.mlp.router for layer in shard.layers if hasattr(layer.mlp, "router")]
-    for i, r in enumerate(routers):
-        v.register_buffer(f"router{i}", r, persistent=False)
-    return v
-
-
-def dataclass_without_layers(config):
-    import dataclasses
-
-    return dataclasses.replace(config, layers=[dataclasses.replace(lc, num_heads=0, num_kv_heads=0)
-                                               for lc in config.layers])
 
 
 def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, timeout_s: float,
@@ -219,7 +226,7 @@ def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, time
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank is its own process already
         if int(os.environ["WORLD_SIZE"]) != world or int(os.environ.get("RANK", "0")) != 0:
             raise ValueError(f"torchrun: WORLD_SIZE={os.environ['WORLD_SIZE']} RANK={os.environ.get('RANK')} but "
-                             f"--tensor-parallel-size {world}: rank 0 runs the engine, the others `memra worker`")
+                             f"--tensor-parallel-size {world}: rank 0 runs the engine; every rank runs the same memra command")
         init = "env://"
     else:
         init = f"file://{tempfile.mkdtemp(prefix='memra-tp-')}/rendezvous"
@@ -229,17 +236,31 @@ def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, time
                                                          threads), daemon=True, name=f"memra-tp-rank{r}")
             p.start()
             procs.append(p)
+    ctx = None
     try:
         ctx = ParallelContext.init(0, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
-        shard = shard_model(model, ctx)
-        spec = dict(model=str(model_name), dtype=str(dtype), ep=ep, parts=parts, world=world)
-        _check_same(ctx, _fingerprint(_unsharded_view(shard), spec))
+        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world)
+        try:
+            digest = _fingerprint(model, spec)  # the unsharded model: every weight sampled
+            shard = shard_model(model, ctx)
+        except Exception as ex:
+            _check_same(ctx, f"ERROR {type(ex).__name__}: {ex}")
+            raise
+        _check_same(ctx, digest)
     except BaseException:
         for p in procs:
             p.kill()
+        if ctx is not None:
+            ctx.close()
+        if init.startswith("file://"):
+            import shutil
+
+            shutil.rmtree(os.path.dirname(init[len("file://"):]), ignore_errors=True)
         raise
     import atexit
 
     tp = TensorParallelModel(shard, ctx, procs)
-    atexit.register(tp.close)
+    if init.startswith("file://"):
+        tp.rendezvous_dir = os.path.dirname(init[len("file://"):])
+    atexit.register(tp.close)  # an engine never closed still stops its workers at exit; close() unregisters
     return tp

@@ -123,7 +123,7 @@ def _shard_moe(moe: MoE, ctx: ParallelContext, hidden: int) -> ParallelMoE:
         for p in ctx.owned_parts:
             off, n = eparts[p]
             for x in range(off, off + n):
-                experts[x] = ([gu[x].contiguous()], [dn[x].contiguous()])
+                experts[x] = ([gu[x].clone()], [dn[x].clone()])
     else:
         q = ex.qweights[2]
         unit = max(block_unit(q[0] if isinstance(q, list) else q, 1), 1)
@@ -131,14 +131,15 @@ def _shard_moe(moe: MoE, ctx: ParallelContext, hidden: int) -> ParallelMoE:
         mine = [iparts[p] for p in ctx.owned_parts]
         for x in range(e):
             experts[x] = ([torch.cat([gu[x, off:off + n], gu[x, i + off:i + off + n]]) for off, n in mine],
-                          [dn[x][:, off:off + n].contiguous() for off, n in mine])
+                          [dn[x][:, off:off + n].clone(memory_format=torch.contiguous_format) for off, n in mine])
     shared = None if moe.shared is None else _shard_gated_mlp(moe.shared, ctx)
     return ParallelMoE(moe.router, moe.bias, moe.top_k, moe.scaling, experts, ex.limit, shared, ctx, hidden)
 
 
 def shard_model(model, ctx: ParallelContext):
-    """Rank ``ctx.rank``'s shard of ``model`` (a CPU :class:`memra.models.base.CausalLM`, in place;
-    returned): the plan in the module docstring. Its ``config.layers`` carry the local head counts
+    """Rank ``ctx.rank``'s shard of ``model`` (a CPU :class:`memra.models.base.CausalLM`, in place:
+    the model object becomes the shard and cannot be used unsharded again; returned; each shard
+    owns copies of its slices, so the unsharded weights are freed with the model's old modules): the plan in the module docstring. Its ``config.layers`` carry the local head counts
     (what a KV cache for this rank allocates). Works for every model whose layers hold ``attn``
     (:class:`~memra.layers.attention.Attention`) and ``mlp`` (GatedMLP or MoE): llama, qwen2,
     gemma3, step35.
@@ -166,7 +167,7 @@ def shard_model(model, ctx: ParallelContext):
     emb = model.embed
     table = emb.qweight.dequantize(emb.dtype) if emb.qweight.is_quantized else emb.qweight.data.to(emb.dtype)
     head = _dense(model.lm_head)
-    model.embed = VocabParallelEmbedding(table[v0:v1].contiguous(), v0, V, ctx, emb.scale)
+    model.embed = VocabParallelEmbedding(table[v0:v1].clone(), v0, V, ctx, emb.scale)
     model.lm_head = ColumnParallel([(head[off:off + n], None) for off, n in mine], ctx, full_out=(V, v0))
     model.parallel = ctx
     return model
