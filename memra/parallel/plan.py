@@ -27,7 +27,8 @@ def split_sizes(n: int, parts: int, unit: int = 1, what: str = "") -> list[int]:
     units = n // unit
     if units < parts:
         raise ValueError(f"{what}: {units} units of {unit} cannot fill {parts} canonical parts (a split would cut a "
-                         f"head or a quantization block); use fewer parts (ParallelContext.parts)")
+                         f"head or a quantization block): this model cannot run at this tensor-parallel size with "
+                         f"{parts} canonical parts")
     base, extra = divmod(units, parts)
     return [(base + (p < extra)) * unit for p in range(parts)]
 
