@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _torchrun_worker(a: argparse.Namespace) -> int | None:
     """Under torchrun (``WORLD_SIZE`` > 1 in the environment) the same ``memra serve | generate |
     chat`` command runs on every rank: rank 0 runs it, the others become tensor-parallel workers
-    (memra/parallel/runtime.py ``worker_main``) and return 0 when rank 0 stops them. None: not a
+    (memra/engine/tensor_parallel.py ``worker_main``) and return 0 when rank 0 stops them. None: not a
     worker rank."""
     import os
 
@@ -516,7 +516,7 @@ def _torchrun_worker(a: argparse.Namespace) -> int | None:
     import torch
 
     from .engine.engine import DTYPES
-    from .parallel.runtime import default_parts, worker_main
+    from .engine.tensor_parallel import default_parts, worker_main
 
     worker_main(rank, world, "env://", a.model, DTYPES[a.dtype or "float32"], a.enable_expert_parallel,
                 default_parts(world), a.parallel_timeout, threads=torch.get_num_threads())

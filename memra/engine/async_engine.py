@@ -218,7 +218,7 @@ class AsyncLLMEngine:
                 for rid in eng.request_ids():
                     eng.abort_request(rid)
                     self._deliver(rid, RuntimeError(f"internal engine error: {e!r}"))
-                from ..parallel.runtime import ParallelFailure
+                from ..parallel.group import ParallelFailure
 
                 if isinstance(e, ParallelFailure):  # a rank is gone: nothing more can be served
                     log.critical("%s; the server stops", e)

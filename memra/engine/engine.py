@@ -269,8 +269,8 @@ class LLMEngine:
             self.model_name = str(cfg.model)
             if device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
-        if cfg.parallel:  # rank 0 of a TP / EP run (memra/parallel/runtime.py): shard, start the workers
-            from ..parallel.runtime import start
+        if cfg.parallel:  # rank 0 of a TP / EP run (memra/engine/tensor_parallel.py): shard, start the workers
+            from .tensor_parallel import start
 
             model = start(model, cfg.model, dtype, cfg.tensor_parallel_size, cfg.enable_expert_parallel,
                           cfg.parallel_timeout_s, threads=torch.get_num_threads())

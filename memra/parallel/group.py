@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelContext", "DEFAULT_PARTS", "DEFAULT_TIMEOUT_S"]
+__all__ = ["ParallelContext", "ParallelFailure", "DEFAULT_PARTS", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_PARTS = 4  # canonical parts per sharded dimension: TP 1, 2 and 4 compute the same bits
 DEFAULT_TIMEOUT_S = 120.0
+
+
+class ParallelFailure(RuntimeError):
+    """A collective failed (a rank died or timed out): the parallel run cannot continue."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Running a tensor/expert-parallel engine: rank 0 holds the scheduler, the block manager and the
+"""Running a tensor/expert-parallel engine (the sharding itself is memra/parallel): rank 0 holds the scheduler, the block manager and the
 server; ranks 1..N-1 are workers that mirror every model call on their shard.
 
 - :func:`start` (rank 0): spawns the workers on this node (torch.multiprocessing, spawn) unless
@@ -29,14 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .group import DEFAULT_PARTS, ParallelContext
-from .shard import shard_model
+from ..parallel.group import DEFAULT_PARTS, ParallelContext, ParallelFailure
+from ..parallel.shard import shard_model
 
 __all__ = ["ParallelFailure", "TensorParallelModel", "start", "worker_main", "default_parts"]
-
-
-class ParallelFailure(RuntimeError):
-    """A collective failed (a rank died or timed out): the parallel run cannot continue."""
 
 
 def default_parts(world: int) -> int:
@@ -164,12 +160,23 @@ class TensorParallelModel(nn.Module):
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
+def _load_cpu(model: str, dtype: torch.dtype):
+    """The model of a key, GGUF path or HF directory on the CPU (a worker needs no tokenizer)."""
+    from pathlib import Path
+
+    from ..hub import resolve_model
+    from ..models import load_model
+
+    local = Path(model).expanduser()
+    return load_model(local if local.is_dir() else resolve_model(str(model), progress=False), dtype)[0]
+
+
 def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype, ep: bool, parts: int,
                 timeout_s: float, threads: int | None = None) -> None:
     """A worker rank: load + shard, check the fingerprint, then mirror rank 0's calls until "stop".
     Exits (non-zero through the raised error) when a collective fails."""
-    from ..engine.block_manager import kv_groups
-    from ..engine.kv_cache import PagedBatch, PagedKVCache, SeqChunk
+    from .block_manager import kv_groups
+    from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
 
     if threads:
         torch.set_num_threads(threads)
@@ -177,9 +184,7 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
     try:
         spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world)
         try:
-            from ..engine.engine import _load
-
-            m, _, _ = _load(model, dtype, torch.device("cpu"), progress=False)
+            m = _load_cpu(model, dtype)
             digest = _fingerprint(m, spec)
             shard = shard_model(m, ctx)
         except Exception as ex:  # told to every rank through the start-up check, then raised here too
