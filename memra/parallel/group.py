@@ -66,10 +66,12 @@ class ParallelContext:
         if the rendezvous fails within the timeout."""
         ctx = cls(rank, world, parts, expert_parallel, None, timeout_s)
         if world > 1:
+            # the rendezvous and the control messages: no short timeout (workers start, import torch and
+            # load on a busy machine); the model's collectives: their own group with ``timeout_s``
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-            ctx.group = dist.group.WORLD
-            ctx.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+                                    timeout=datetime.timedelta(days=365))
+            ctx.control = dist.group.WORLD
+            ctx.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         return ctx
 
     @property
