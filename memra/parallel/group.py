@@ -87,18 +87,6 @@ class ParallelContext:
             dist.all_reduce(stacked, group=self.group)
         return stacked
 
-    def all_gather_cat(self, local: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """The ranks' ``local`` tensors (equal shapes) concatenated along ``dim`` in rank order."""
-        if self.world == 1:
-            return local
-        out = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(out, local.contiguous(), group=self.group)
-        return torch.cat(out, dim=dim)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
-
     def close(self) -> None:
         """Leaves the process group (no-op for world 1)."""
         if self.world > 1 and dist.is_initialized():
