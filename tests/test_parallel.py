@@ -55,7 +55,7 @@ def _generate(model, vocab_clip: int | None = None) -> tuple[list[torch.Tensor],
 
 def _worker(rank: int, world: int, kind: str, path: str, ep: bool, init: str, out: str, parts: int = 4) -> None:
     torch.set_num_threads(1)
-    ctx = ParallelContext.init(rank, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=120)
+    ctx = ParallelContext.init(rank, world, init, parts=parts, expert_parallel=ep, timeout_s=120)
     try:
         model = shard_model(_load(kind, path), ctx)
         logits, toks = _generate(model)
@@ -353,3 +353,80 @@ def test_idle_past_the_timeout_and_a_failed_worker_start(tiny_path):
     assert time.time() - t0 < 60
     with LLM(tiny_path, max_model_len=64, tensor_parallel_size=2) as llm:
         assert llm.generate(["hello"], sp)[0].outputs[0].token_ids == a
+
+
+# --- the NCCL path on one GPU (TP 1 through the same code; TP 2+ on several GPUs is issue 18) ---
+
+
+def _worker_gpu(tiny: str, init: str, ep: bool) -> dict:
+    """The canonical one-rank path on cuda:0 with its NCCL group of one: a direct exact all-reduce of
+    random data, then the prefill + greedy steps of :func:`_generate` through a CUDA KV cache."""
+    ctx = ParallelContext.init(0, 1, init, parts=4, expert_parallel=ep, timeout_s=120, device="cuda")
+    try:
+        assert ctx.backend == "nccl" and ctx.device == torch.device("cuda", 0)
+        x = torch.randn(4, 3, 5, device="cuda")
+        assert torch.equal(ctx.all_reduce_exact(x.clone()), x)
+        model = shard_model(_load("tiny", tiny), ctx).to(ctx.device)
+        assert all(p.device.type == "cuda" for blk in model.lm_head.weights for p in [blk])
+        kv = ContiguousKVCache(model.config, 64, device="cuda")
+        ids, logits, toks = list(PROMPT), [], []
+        with torch.no_grad():
+            h = model(torch.tensor(ids, device="cuda"), torch.arange(len(ids), device="cuda"), kv)
+            kv.length = len(ids)
+            for _ in range(STEPS):
+                lg = model.logits(h[-1:])[0]
+                logits.append(lg.cpu())
+                t = int(lg.argmax())
+                toks.append(t)
+                pos = kv.length
+                h = model(torch.tensor([t], device="cuda"), torch.tensor([pos], device="cuda"), kv)
+                kv.length = pos + 1
+        return {"logits": logits, "tokens": toks}
+    finally:
+        ctx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_nccl_tp1_on_gpu_matches_the_cpu_canonical_path(tiny_path, tmp_path, ep):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = _run("tiny", tiny_path, 1, ep, tmp_path)
+    gpu = _worker_gpu(tiny_path, f"file://{tmp_path}/rdv-gpu-{ep}", ep)
+    assert gpu["tokens"] == cpu["tokens"]
+    for a, b in zip(gpu["logits"], cpu["logits"]):
+        assert float((a - b).abs().max() / b.abs().max()) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_llm_parallel_path_on_gpu_generates_like_the_cpu(tiny_path):
+    """LLM(device="cuda", deterministic=True) (NCCL group of one, dense fp32 shard, eager steps) and
+    LLM(device="cuda", enable_expert_parallel=True): the CPU's greedy tokens; smollm2-135m too. On a
+    one-GPU machine TP 2 is refused with the GPU count."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from memra import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [[1, 17, 300, 5, 42], [9, 123, 250, 8, 3, 64, 11, 2], [7, 7, 7]]
+    outs = {}
+    for name, kw in (("cpu", dict(device="cpu", deterministic=True)),
+                     ("gpu", dict(device="cuda", deterministic=True)),
+                     ("gpu-ep", dict(device="cuda", enable_expert_parallel=True))):
+        with LLM(tiny_path, dtype="float32", max_model_len=128, **kw) as llm:
+            if name != "cpu":
+                assert "CUDA graphs: off (tensor parallel" in llm.engine.memory_report
+            outs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert outs["gpu"] == outs["cpu"] and outs["gpu-ep"] == outs["cpu"], outs
+    text = ["The capital of France is", "def add(a, b):"]
+    got = {}
+    smol = os.environ.get("MEMRA_SMOLLM2_GGUF", "smollm2-135m")  # the GGUF path on the H200 machine
+    for name, kw in (("cpu", dict(device="cpu")), ("gpu", dict(device="cuda", deterministic=True))):
+        with LLM(smol, dtype="float32", max_model_len=256, **kw) as llm:
+            got[name] = [o.outputs[0].token_ids for o in llm.generate(text, SamplingParams(max_tokens=16, temperature=0))]
+    assert got["gpu"] == got["cpu"], got
+    if torch.cuda.device_count() == 1:
+        with pytest.raises(ValueError, match=r"needs cuda:1 but this node has 1 GPU"):
+            LLM(tiny_path, dtype="float32", device="cuda", tensor_parallel_size=2)

@@ -68,8 +68,10 @@ class EngineConfig:
         speculative_max_batch: drafting steps aside while more requests than this are running
             (verification then costs more than it saves).
         tensor_parallel_size: ranks the model is sharded over (memra/parallel: attention heads,
-            MLPs, vocabulary; CPU / gloo for now). Rank 0 is this process (scheduler, block manager,
-            server); the others are spawned workers, or torchrun's ranks (``memra worker``).
+            MLPs, vocabulary). Rank 0 is this process (scheduler, block manager, server); the others
+            are spawned workers, or torchrun's ranks. CPU: collectives over gloo. CUDA: rank r on
+            cuda:r (torchrun: cuda:$LOCAL_RANK), collectives over NCCL, each shard's weights dense
+            in the compute dtype, steps eager (no CUDA graphs).
         enable_expert_parallel: routed experts split by expert over the ranks (EP) instead of along
             their intermediate dimension.
         deterministic: at tensor_parallel_size 1, run the canonical-order parallel path on one rank
@@ -142,8 +144,10 @@ class EngineConfig:
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         if self.dtype is None:
             self.dtype = "float32" if dev.type == "cpu" else "bfloat16"
-        if dev.type == "cuda" and DTYPES.get(self.dtype) != torch.bfloat16:
-            raise ValueError(f"dtype={self.dtype!r} on a GPU: the GPU kernels compute in bfloat16")
+        if dev.type == "cuda" and DTYPES.get(self.dtype) != torch.bfloat16 and not (
+                self.parallel and DTYPES.get(self.dtype) == torch.float32):
+            raise ValueError(f"dtype={self.dtype!r} on a GPU: the GPU kernels compute in bfloat16 (float32 too on the "
+                             "parallel path: deterministic / tensor_parallel_size / enable_expert_parallel)")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
@@ -171,9 +175,9 @@ class EngineConfig:
                 and 0 < self.parallel_timeout_s < float("inf")):
             raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s!r} must be a finite number of seconds > 0")
         if self.parallel:
-            if dev.type != "cpu":
-                raise ValueError("tensor_parallel_size > 1 / enable_expert_parallel / deterministic run on the CPU "
-                                 "(gloo) for now: the NCCL path of the parallel layers is not built yet")
+            if dev.type == "cuda" and self.attention_weights != "auto":
+                raise ValueError(f"attention_weights={self.attention_weights!r} with tensor parallelism: the GPU "
+                                 "shards hold their weights dense in the compute dtype (use 'auto')")
             if self.speculative_method == "mtp":
                 raise ValueError("speculative_method='mtp' with tensor parallelism is not supported yet (the MTP "
                                  "layers would need the vocabulary-parallel embedding and head on every rank)")
@@ -262,18 +266,20 @@ class LLMEngine:
         dtype = DTYPES[cfg.dtype]
         self.checkpoint = None
         device = torch.device(cfg.device)
+        # a parallel run shards the CPU-loaded model, then moves each shard to its rank's device
+        load_device = torch.device("cpu") if cfg.parallel else device
         if model is None:
-            model, self.checkpoint, tokenizer = _load(cfg.model, dtype, device, progress)
+            model, self.checkpoint, tokenizer = _load(cfg.model, dtype, load_device, progress)
             self.model_name = str(cfg.model)
         else:
             self.model_name = str(cfg.model)
-            if device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
+            if load_device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
         if cfg.parallel:  # rank 0 of a TP / EP run (memra/engine/tensor_parallel.py): shard, start the workers
             from .tensor_parallel import start
 
             model = start(model, cfg.model, dtype, cfg.tensor_parallel_size, cfg.enable_expert_parallel,
-                          cfg.parallel_timeout_s, threads=torch.get_num_threads())
+                          cfg.parallel_timeout_s, threads=torch.get_num_threads(), device=device)
             self.parallel = model
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
@@ -313,7 +319,9 @@ class LLMEngine:
 
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         graphs = None
-        if device.type == "cuda" and not cfg.enforce_eager:
+        if device.type == "cuda" and self.parallel is not None:  # each step is a message to the workers first
+            self.memory_report += "; CUDA graphs: off (tensor parallel steps run eager)"
+        elif device.type == "cuda" and not cfg.enforce_eager:
             from .cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 
             rows = cfg.max_num_seqs

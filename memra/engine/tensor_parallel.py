@@ -13,6 +13,12 @@ server; ranks 1..N-1 are workers that mirror every model call on their shard.
 - :func:`worker_main` (ranks > 0): load, shard, allocate the paged KV cache rank 0 announces
   (its own KV heads), then serve the broadcast calls until "stop".
 
+Devices: on the CPU the model's collectives run over gloo; with a CUDA device every rank moves
+its shard and KV cache to its own GPU (rank r on ``cuda:r`` on one node, ``cuda:$LOCAL_RANK``
+under torchrun) and the collectives run over NCCL, the same code (a GPU run builds the NCCL group
+at TP 1 too). The control messages stay on gloo. A GPU shard holds its weights dense in the
+compute dtype (cuBLAS GEMMs, the paged-attention kernels), sharded from the CPU-loaded model.
+
 Faults: every collective has the context's timeout; a failed collective (a dead rank) raises
 :class:`ParallelFailure` on the ranks still alive, which the server turns into errors for the
 requests in flight and a non-zero exit. Workers are daemon processes of rank 0 and exit when
@@ -32,7 +38,7 @@ from torch import nn
 from ..parallel.group import DEFAULT_PARTS, ParallelContext, ParallelFailure
 from ..parallel.shard import shard_model
 
-__all__ = ["ParallelFailure", "TensorParallelModel", "start", "worker_main", "default_parts"]
+__all__ = ["ParallelFailure", "TensorParallelModel", "start", "worker_main", "default_parts", "rank_device"]
 
 
 def default_parts(world: int) -> int:
@@ -125,12 +131,13 @@ class TensorParallelModel(nn.Module):
     def forward(self, input_ids, positions, kv, *, prenorm: bool = False, both: bool = False):
         self._check()
         chunks = [(c.start, c.num_new, c.block_tables) for c in kv.chunks]
-        _send(self.ctx, ("forward", input_ids, positions, chunks, prenorm, both))
+        _send(self.ctx, ("forward", input_ids.cpu(), positions.cpu(), chunks, prenorm, both))  # host copies: each
+        # worker moves them to its own device
         return self._guard(self.shard, input_ids, positions, kv, prenorm=prenorm, both=both)
 
     def logits(self, hidden):
         self._check()
-        _send(self.ctx, ("logits", hidden))
+        _send(self.ctx, ("logits", hidden.cpu()))
         return self._guard(self.shard.logits, hidden)
 
     def announce_cache(self, groups, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> None:
@@ -160,6 +167,23 @@ class TensorParallelModel(nn.Module):
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
+def rank_device(rank: int, world: int, device: torch.device | str) -> torch.device:
+    """The device of ``rank``: the CPU for a CPU run; for CUDA, ``cuda:$LOCAL_RANK`` under torchrun,
+    else ``cuda:rank``. Raises ValueError when this node has fewer GPUs than it needs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.device("cpu")
+    if device.index not in (None, 0):
+        raise ValueError(f"tensor parallel on {device}: rank r runs on cuda:r; give device 'cuda'")
+    local = int(os.environ.get("LOCAL_RANK", rank)) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else rank
+    have = torch.cuda.device_count()
+    if local >= have:
+        need = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        raise ValueError(f"tensor parallel: rank {rank} needs cuda:{local} but this node has {have} GPU(s) "
+                         f"({need} ranks on it need {need})")
+    return torch.device("cuda", local)
+
+
 def _load_cpu(model: str, dtype: torch.dtype):
     """The model of a key, GGUF path or HF directory on the CPU (a worker needs no tokenizer)."""
     from pathlib import Path
@@ -172,21 +196,23 @@ def _load_cpu(model: str, dtype: torch.dtype):
 
 
 def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype, ep: bool, parts: int,
-                timeout_s: float, threads: int | None = None) -> None:
-    """A worker rank: load + shard, check the fingerprint, then mirror rank 0's calls until "stop".
-    Exits (non-zero through the raised error) when a collective fails."""
+                timeout_s: float, threads: int | None = None, device: str = "cpu") -> None:
+    """A worker rank: load + shard (then move to its GPU for a CUDA ``device``), check the
+    fingerprint, then mirror rank 0's calls until "stop". Exits (non-zero through the raised
+    error) when a collective fails."""
     from .block_manager import kv_groups
     from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
 
     if threads:
         torch.set_num_threads(threads)
-    ctx = ParallelContext.init(rank, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
+    dev = rank_device(rank, world, device)
+    ctx = ParallelContext.init(rank, world, init, parts=parts, expert_parallel=ep, timeout_s=timeout_s, device=dev)
     try:
-        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world)
+        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world, device=dev.type)
         try:
             m = _load_cpu(model, dtype)
             digest = _fingerprint(m, spec)
-            shard = shard_model(m, ctx)
+            shard = shard_model(m, ctx).to(dev)
         except Exception as ex:  # told to every rank through the start-up check, then raised here too
             _check_same(ctx, f"ERROR {type(ex).__name__}: {ex}")
             raise
@@ -203,13 +229,14 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
                     if [g.layers for g in groups] != [g.layers for g in groups0]:
                         raise RuntimeError(f"rank {rank}: KV-cache groups {[g.layers for g in groups]} differ from "
                                            f"rank 0's {[g.layers for g in groups0]}")
-                    cache = PagedKVCache(groups, nb, bs, dt)
+                    cache = PagedKVCache(groups, nb, bs, dt, device=dev)
                 elif msg[0] == "forward":
                     _, ids, pos, chunks, prenorm, both = msg
-                    kv = PagedBatch(cache, [SeqChunk(s, n, bt) for s, n, bt in chunks], use_kernels=False)
-                    shard(ids, pos, kv, prenorm=prenorm, both=both)
+                    kv = PagedBatch(cache, [SeqChunk(s, n, bt) for s, n, bt in chunks],
+                                    use_kernels=dev.type == "cuda")  # as rank 0's ModelRunner
+                    shard(ids.to(dev), pos.to(dev), kv, prenorm=prenorm, both=both)
                 elif msg[0] == "logits":
-                    shard.logits(msg[1])
+                    shard.logits(msg[1].to(dev))
     finally:
         ctx.close()
 
@@ -217,16 +244,20 @@ def worker_main(rank: int, world: int, init: str, model: str, dtype: torch.dtype
 
 
 def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, timeout_s: float,
-          threads: int | None = None) -> TensorParallelModel:
+          threads: int | None = None, device: torch.device | str = "cpu") -> TensorParallelModel:
     """Rank 0 of a TP run over ``world`` ranks: spawn the workers (or join torchrun's group), shard
-    ``model`` (loaded on the CPU from ``model_name``), check every rank's fingerprint.
+    ``model`` (loaded on the CPU from ``model_name``; moved to ``cuda:0`` after sharding for a
+    CUDA ``device``, each worker to its own GPU), check every rank's fingerprint.
 
-    Raises: ValueError for a model on a GPU path (the parallel layers are CPU for now) or a split
-    that cuts a head / block (names the tensor); RuntimeError if the ranks disagree or the
-    rendezvous fails within the timeout."""
+    Raises: ValueError for a model already on its GPU kernel path (shard the CPU-loaded model),
+    too few GPUs, or a split that cuts a head / block (names the tensor); RuntimeError if the
+    ranks disagree or the rendezvous fails within the timeout."""
     import torch.multiprocessing as mp
 
     parts = default_parts(world)
+    dev = rank_device(0, world, device)
+    for r in range(1, world if int(os.environ.get("WORLD_SIZE", "1")) == 1 else 1):
+        rank_device(r, world, device)  # enough GPUs on this node before any worker starts
     procs = []
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank is its own process already
         if int(os.environ["WORLD_SIZE"]) != world or int(os.environ.get("RANK", "0")) != 0:
@@ -238,16 +269,16 @@ def start(model, model_name: str, dtype: torch.dtype, world: int, ep: bool, time
         ctx_mp = mp.get_context("spawn")
         for r in range(1, world):
             p = ctx_mp.Process(target=worker_main, args=(r, world, init, model_name, dtype, ep, parts, timeout_s,
-                                                         threads), daemon=True, name=f"memra-tp-rank{r}")
+                                                         threads, str(device)), daemon=True, name=f"memra-tp-rank{r}")
             p.start()
             procs.append(p)
     ctx = None
     try:
-        ctx = ParallelContext.init(0, world, init, "gloo", parts=parts, expert_parallel=ep, timeout_s=timeout_s)
-        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world)
+        ctx = ParallelContext.init(0, world, init, parts=parts, expert_parallel=ep, timeout_s=timeout_s, device=dev)
+        spec = dict(dtype=str(dtype), ep=ep, parts=parts, world=world, device=dev.type)
         try:
             digest = _fingerprint(model, spec)  # the unsharded model: every weight sampled
-            shard = shard_model(model, ctx)
+            shard = shard_model(model, ctx).to(dev)
         except Exception as ex:
             _check_same(ctx, f"ERROR {type(ex).__name__}: {ex}")
             raise

@@ -30,9 +30,13 @@ class ParallelContext:
             dimension.
         group: the torch.distributed process group of the model's collectives (None when
             ``world == 1``: no collectives); its timeout is ``timeout_s``.
-        control: a second gloo group for rank 0's messages to the workers (start-up checks, each
-            step's inputs): no short timeout, so that an idle server or a slow load on another rank
-            is not mistaken for a dead rank (a dead peer still fails at once: its socket closes).
+        control: the gloo group of rank 0's messages to the workers (start-up checks, each step's
+            inputs, as pickled objects on the host): no short timeout, so that an idle server or a
+            slow load on another rank is not mistaken for a dead rank (a dead peer still fails at
+            once: its socket closes).
+        device: where this rank's shard and KV cache live: the CPU (``group`` is gloo) or its CUDA
+            device (``group`` is NCCL; on one node rank r uses ``cuda:r``, under torchrun
+            ``cuda:$LOCAL_RANK``).
         timeout_s: collective timeout (a rank that dies makes the others fail after this many
             seconds instead of hanging).
 
@@ -46,6 +50,7 @@ class ParallelContext:
     group: object = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     control: object = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _owned: range = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,21 +63,37 @@ class ParallelContext:
         self._owned = range(self.rank * per, (self.rank + 1) * per)
 
     @classmethod
-    def init(cls, rank: int, world: int, init_method: str, backend: str = "gloo", parts: int = DEFAULT_PARTS,
-             expert_parallel: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
-        """Joins (or, for world 1, skips) the default process group and returns the context.
+    def init(cls, rank: int, world: int, init_method: str, parts: int = DEFAULT_PARTS,
+             expert_parallel: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+             device: torch.device | str = "cpu") -> ParallelContext:
+        """Joins the default process group (the control messages, gloo) and creates the group of the
+        model's collectives (gloo on the CPU, NCCL for a CUDA ``device``), and returns the context.
+        On the CPU a world of 1 joins nothing (no collective runs); on a GPU it still builds a
+        one-rank NCCL group, so that TP 1 runs the same code as TP N.
+
         ``init_method``: a torch.distributed URL (``tcp://host:port``, ``file:///path``, ``env://``
         under torchrun). Raises: ValueError as the constructor; RuntimeError from torch.distributed
-        if the rendezvous fails within the timeout."""
-        ctx = cls(rank, world, parts, expert_parallel, None, timeout_s)
-        if world > 1:
+        if the rendezvous fails within the timeout or NCCL is not available."""
+        device = torch.device(device)
+        ctx = cls(rank, world, parts, expert_parallel, None, timeout_s, None, device)
+        if world > 1 or device.type == "cuda":
+            if device.type == "cuda":
+                if not dist.is_nccl_available():
+                    raise RuntimeError("tensor parallel on CUDA needs NCCL, which this torch build lacks")
+                torch.cuda.set_device(device)
             # the rendezvous and the control messages: no short timeout (workers start, import torch and
             # load on a busy machine); the model's collectives: their own group with ``timeout_s``
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(days=365))
             ctx.control = dist.group.WORLD
-            ctx.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            ctx.group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                       timeout=datetime.timedelta(seconds=timeout_s))
         return ctx
+
+    @property
+    def backend(self) -> str:
+        """The backend of the model's collectives: ``"nccl"``, ``"gloo"`` or ``"none"`` (one CPU rank)."""
+        return "none" if self.group is None else dist.get_backend(self.group)
 
     @property
     def owned_parts(self) -> range:
@@ -83,11 +104,11 @@ class ParallelContext:
         """Sum over ranks of ``stacked`` [P, ...] in which every slot p holds a non-zero value on one
         rank at most (the owner of part p) and zeros elsewhere: exact whatever the reduction order.
         In place; returned."""
-        if self.world > 1:
+        if self.group is not None:
             dist.all_reduce(stacked, group=self.group)
         return stacked
 
     def close(self) -> None:
-        """Leaves the process group (no-op for world 1)."""
-        if self.world > 1 and dist.is_initialized():
+        """Leaves the process group (no-op when none was joined)."""
+        if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

@@ -24,7 +24,31 @@ from .group import ParallelContext
 __all__ = ["ColumnParallel", "RowParallel", "VocabParallelEmbedding", "ParallelMoE"]
 
 
-class ColumnParallel(nn.Module):
+def _map_tensors(fn, obj):
+    """``obj`` with ``fn`` applied to every tensor in it (lists, tuples and dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {key: _map_tensors(fn, o) for key, o in obj.items()}
+    return obj
+
+
+class _PartsModule(nn.Module):
+    """A parallel module holds its weights in lists (one per canonical part, KV head or expert),
+    which nn.Module does not see: ``_apply`` maps them too, so ``.to(device)`` moves a shard whole."""
+
+    _tensor_attrs: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        for name in self._tensor_attrs:
+            setattr(self, name, _map_tensors(fn, getattr(self, name)))
+        return self
+
+
+class ColumnParallel(_PartsModule):
     """y = [x W_0^T (+ b_0) | x W_1^T (+ b_1) | ...] over this rank's blocks.
 
     Args:
@@ -39,6 +63,7 @@ class ColumnParallel(nn.Module):
     def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor | None]], ctx: ParallelContext,
                  full_out: tuple[int, int] | None = None):
         super().__init__()
+        self._tensor_attrs = ("weights", "biases")
         self.ctx, self.full_out = ctx, full_out
         self.weights = [w.clone() for w, _ in blocks]  # own storage: the unsharded weight can be freed
         self.biases = [None if b is None else b.clone() for _, b in blocks]
@@ -56,7 +81,7 @@ class ColumnParallel(nn.Module):
         return self.ctx.all_reduce_exact(full)[0]
 
 
-class RowParallel(nn.Module):
+class RowParallel(_PartsModule):
     """y = sum over the P canonical parts, in part order, of x_p W_p^T (+ bias once).
 
     Args:
@@ -71,6 +96,7 @@ class RowParallel(nn.Module):
         super().__init__()
         if len(weights) != len(ctx.owned_parts):
             raise ValueError(f"RowParallel: {len(weights)} weight parts for {len(ctx.owned_parts)} owned parts")
+        self._tensor_attrs = ("weights", "bias")
         self.ctx, self.bias = ctx, bias
         self.weights = [w.clone(memory_format=torch.contiguous_format) for w in weights]
         self.sizes = [w.shape[1] for w in self.weights]
@@ -89,7 +115,7 @@ class RowParallel(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_PartsModule):
     """Rows [offset, offset + n) of the embedding table on this rank; ids outside give zeros there,
     and the exact all-reduce leaves every rank with the looked-up row.
 
@@ -100,6 +126,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, table: torch.Tensor, offset: int, vocab_size: int, ctx: ParallelContext, scale: float = 1.0):
         super().__init__()
+        self._tensor_attrs = ("table",)
         self.table, self.offset, self.vocab_size, self.ctx, self.scale = table, offset, vocab_size, ctx, scale
         self.hidden = table.shape[1]
         self.dtype = table.dtype
@@ -118,7 +145,7 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-class ParallelMoE(nn.Module):
+class ParallelMoE(_PartsModule):
     """Sigmoid top-k routing (replicated router), routed SwiGLU experts split over the ranks, and
     the shared expert (a parallel GatedMLP or None): ``y = sum_{j=0..k-1} w_j E_{e_j}(h) + S(h)``,
     the sum over j in order.
@@ -136,6 +163,7 @@ class ParallelMoE(nn.Module):
     def __init__(self, router, bias, top_k: int, scaling: float, experts: dict, limit: float | None,
                  shared: nn.Module | None, ctx: ParallelContext, hidden: int):
         super().__init__()
+        self._tensor_attrs = ("router", "bias", "experts")
         self.router, self.bias, self.top_k, self.scaling = router.float(), bias, top_k, scaling
         self.experts, self.limit, self.shared, self.ctx, self.hidden = experts, limit, shared, ctx, hidden
 
