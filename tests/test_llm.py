@@ -21,6 +21,10 @@ def test_generate_text_and_ids_agree(llm):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert "Paris" in a.outputs[0].text
     assert a.outputs[0].text == llm.tokenizer.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+    ids = llm.tokenizer.encode("The capital of France is")
+    c, d = llm.generate([{"prompt_token_ids": ids}, {"prompt": "The capital of France is"}], p)  # vLLM's dict forms
+    assert c.outputs[0].token_ids == d.outputs[0].token_ids == a.outputs[0].token_ids
+    assert d.prompt == "The capital of France is"
 
 
 def test_seed_reproducible_and_n(llm):
@@ -82,5 +86,9 @@ def test_errors(llm):
         llm.generate([[1, 2, 10**6]])
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]])
+    with pytest.raises(ValueError, match="exactly one of 'prompt'"):
+        llm.generate([{"prompt_ids": [1, 2]}])
+    with pytest.raises(ValueError, match="must be integers, got '5'"):
+        llm.generate([[1, "5"]])
     with pytest.raises(ValueError, match="dtype"):
         LLM("smollm2-135m", dtype="int3")

@@ -81,20 +81,35 @@ class LLM:
         self.close()
 
     # ----------------------------------------------------------------- API
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt given as text (special tokens parsed, bos added per the model) or ids.
+    def encode_prompt(self, prompt: str | Sequence[int] | dict) -> list[int]:
+        """Token ids of a prompt given as text (special tokens parsed, bos added per the model), as ids,
+        or as vLLM's dict forms ``{"prompt": text}`` / ``{"prompt_token_ids": [ids]}``.
 
         Raises:
-            ValueError: empty prompt, or a token id outside the vocabulary.
+            ValueError: empty prompt, a token id outside the vocabulary, a dict without exactly one
+                of those keys, or ids that are not integers.
         """
-        return self.engine.encode_prompt(prompt if isinstance(prompt, str) else list(prompt))
+        if isinstance(prompt, dict):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1 or set(prompt) - keys:
+                raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids' "
+                                 f"(ids), got keys {sorted(prompt)}")
+            prompt = prompt[keys.pop()]
+        if isinstance(prompt, str):
+            return self.engine.encode_prompt(prompt)
+        ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise ValueError(f"token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+        return self.engine.encode_prompt(ids)
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  params: SamplingParams | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
         """Complete each prompt; all prompts run together in the engine's batches.
 
         Args:
-            prompts: one prompt or a list; a prompt is text or a list of token ids.
+            prompts: one prompt or a list; a prompt is text, a list of token ids, or a dict
+                (:meth:`encode_prompt`).
             params: sampling parameters (default: ``SamplingParams()``).
             prompt_logprobs: also return the top-k logprobs of each prompt token.
         Returns:
@@ -103,7 +118,7 @@ class LLM:
             ValueError / PromptTooLongError: bad prompt (nothing is run if any prompt is bad).
         """
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.encode_prompt(p) for p in prompts]
         for x in ids:
@@ -112,7 +127,7 @@ class LLM:
         for x in ids:
             rids.append(self._new_id())
             self.engine.add_request(rids[-1], x, params, prompt_logprobs=prompt_logprobs)
-        results = {rid: RequestOutput(p if isinstance(p, str) else None, x,
+        results = {rid: RequestOutput(p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None, x,
                                       [CompletionOutput(j, logprobs=[] if params.logprobs is not None else None)
                                        for j in range(params.n)])
                    for rid, p, x in zip(rids, prompts, ids)}

@@ -75,6 +75,8 @@ class ParallelContext:
         under torchrun). Raises: ValueError as the constructor; RuntimeError from torch.distributed
         if the rendezvous fails within the timeout or NCCL is not available."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         ctx = cls(rank, world, parts, expert_parallel, None, timeout_s, None, device)
         if world > 1 or device.type == "cuda":
             if device.type == "cuda":
