@@ -19,7 +19,7 @@ from ..hub import resolve_model
 from ..io.tokenizer import Tokenizer
 from ..models import load_model
 from .block_manager import KVCacheManager, kv_groups, plan_kv_blocks
-from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
+from .kv_cache import PagedBatch, PagedKVCache, SeqChunk, kv_storage_dtype
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .request import CompletionDelta, Request, RequestEvent, RequestStatus
@@ -290,7 +290,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={cfg.max_model_len} must be in [1, {ctx}] (the model's context length)")
         self.max_model_len = cfg.max_model_len or ctx
         groups = kv_groups(self.config)
-        kv_dtype = model.dtype
+        kv_dtype = kv_storage_dtype(model.dtype, device)
         draft = None
         if cfg.speculative_method == "draft":  # loaded first: on a GPU the KV budget counts its weights
             draft, _, draft_tok = _load(cfg.speculative_model, dtype, device, progress)

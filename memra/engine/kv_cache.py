@@ -19,10 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..layers.attention import attention, visibility_mask
+from ..layers.attention import attention, decode_attention, visibility_mask
 from .block_manager import NULL_BLOCK, KVGroupSpec
 
-__all__ = ["ContiguousKVCache", "ContextOverflowError", "PagedKVCache", "PagedBatch", "SeqChunk"]
+__all__ = ["ContiguousKVCache", "ContextOverflowError", "PagedKVCache", "PagedBatch", "SeqChunk", "kv_storage_dtype"]
+
+
+def kv_storage_dtype(compute_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache's storage dtype for a model computing in ``compute_dtype`` on ``device``: float32
+    on the CPU whatever the compute dtype (the CPU decode attention,
+    memra/layers/attention.py ``decode_attention``, computes in fp32: a bf16 cache would be cast
+    back every step, which costs more than the attention itself), the compute dtype elsewhere."""
+    return torch.float32 if torch.device(device).type == "cpu" else compute_dtype
 
 
 class ContextOverflowError(ValueError):
@@ -64,6 +72,8 @@ class ContiguousKVCache:
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v
         lo = 0 if window is None else max(0, start - window + 1)
+        if t == 1 and q.device.type == "cpu":  # every key in lo..end is visible to the one query
+            return decode_attention(q, self.k[layer][None, lo:end], self.v[layer][None, lo:end], None, scale)
         return attention(q, self.k[layer][lo:end], self.v[layer][lo:end], self.positions[start:end],
                          self.positions[lo:end], window, scale)
 
@@ -193,7 +203,7 @@ class PagedBatch:
                     idx[r, :len(keys[i])] = keys[i]
                     valid[r, :len(keys[i])] = True
                 rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
-                decode = (rows.to(dev), idx.to(dev), valid[:, None, None, :].to(dev))
+                decode = (rows.to(dev), idx.to(dev), valid.to(dev))
             prefill = []
             for i, c in enumerate(chunks):
                 if c.num_new == 1:
@@ -237,12 +247,7 @@ class PagedBatch:
         out = torch.empty_like(q)
         if decode is not None:
             rows, idx, valid = decode
-            kk = kc[idx].transpose(1, 2)  # [B, KV, L, D]
-            vv = vc[idx].transpose(1, 2)
-            qq = q[rows][:, :, None, :]  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=valid, scale=scale,
-                                               enable_gqa=q.shape[1] != kk.shape[1])
-            out[rows] = o[:, :, 0, :]
+            out[rows] = decode_attention(q[rows], kc[idx], vc[idx], None if bool(valid.all()) else valid, scale)
         for off, n, ks, mask in prefill:
             o = F.scaled_dot_product_attention(
                 q[off:off + n].transpose(0, 1)[None], kc[ks].transpose(0, 1)[None].to(q.dtype),

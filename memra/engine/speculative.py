@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from .block_manager import KVCacheManager, KVGroupSpec, layer_groups
-from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
+from .kv_cache import PagedBatch, PagedKVCache, SeqChunk, kv_storage_dtype
 
 __all__ = ["DraftModelProposer", "MTPProposer", "NgramProposer", "Proposer", "SPECULATIVE_METHODS",
            "make_proposer"]
@@ -166,7 +166,7 @@ class DraftModelProposer:
         blocks = _OwnCache.size(groups, block_size, max_num_seqs, max_model_len + k, chunk)
         if main_blocks is not None:  # hold what the engine's cache holds, plus every sequence's drafts
             blocks = [min(b, main_blocks + max_num_seqs * (-(-k // block_size) + 1)) for b in blocks]
-        self.cache = _OwnCache(groups, blocks, block_size, model.dtype, device)
+        self.cache = _OwnCache(groups, blocks, block_size, kv_storage_dtype(model.dtype, device), device)
         self.seqs: dict[int, tuple[_Seq, int, list[int]]] = {}  # id -> (seq, first draft position, drafts)
 
     @torch.inference_mode()
@@ -294,7 +294,7 @@ class MTPProposer:
         self.model, self.k, self.record, self.device = model, k, record, device
         groups = layer_groups(model.config.mtp_layers[:k])
         blocks = _OwnCache.size(groups, block_size, max_num_seqs, max_model_len, max_num_batched_tokens + k + 1)
-        self.cache = _OwnCache(groups, blocks, block_size, model.dtype, self.device)
+        self.cache = _OwnCache(groups, blocks, block_size, kv_storage_dtype(model.dtype, self.device), self.device)
         self.states: dict[int, _MTPState] = {}
 
     @torch.inference_mode()

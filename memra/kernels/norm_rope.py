@@ -37,23 +37,40 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     ``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, rounded once to x's dtype (fp32 inputs:
     torch's fused ``F.rms_norm``, one op: decode on the CPU is op-bound). Zhang & Sennrich
     2019, "Root Mean Square Layer Normalization"."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.device.type == "cpu":  # fp32 math (x widened), one rounding back
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
 
 
+_ROTATE_HALF: dict[tuple, torch.Tensor] = {}
+
+
+def _rotate_half_matrix(rot: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """R [rot, rot] with ``x @ R = rotate_half(x) = cat(-x2, x1)``: one signed 1 per column, so the
+    product is exact in any dtype (cached per shape, dtype, device; callers must not modify it)."""
+    key = (rot, dtype, device)
+    if key not in _ROTATE_HALF:
+        half = rot // 2
+        r = torch.zeros(rot, rot, dtype=dtype, device=device)
+        j = torch.arange(half, device=device)
+        r[j + half, j] = -1
+        r[j, j + half] = 1
+        _ROTATE_HALF[key] = r
+    return _ROTATE_HALF[key]
+
+
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX (rotate-half) RoPE of the first ``rot = cos.shape[-1]`` dims of each head of ``x``
     [T, H, D]: ``x * cos + rotate_half(x) * sin`` in x's dtype, the other dims passed through.
-    cos, sin [T, rot]. Su et al. 2021, "RoFormer"."""
+    cos, sin [T, rot]. Su et al. 2021, "RoFormer". ``rotate_half`` is a product with a signed
+    permutation matrix (exact; three ops instead of slices, a negation and a concatenation:
+    decode on the CPU is op-bound)."""
     rot = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
-    xr = x[..., :rot]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * cos + rotated * sin
+    xr = x[..., :rot] if rot != x.shape[-1] else x
+    out = torch.addcmul(xr * cos, xr @ _rotate_half_matrix(rot, x.dtype, x.device), sin)
     if rot == x.shape[-1]:
         return out
     return torch.cat([out, x[..., rot:]], dim=-1)

@@ -33,7 +33,7 @@ from .device import KernelLayer
 from .linear import Linear
 from .norm import RMSNorm
 
-__all__ = ["Attention", "AttentionBackend", "SelfContainedKV", "attention", "visibility_mask"]
+__all__ = ["Attention", "AttentionBackend", "SelfContainedKV", "attention", "decode_attention", "visibility_mask"]
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -57,13 +57,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     Returns:
         [Tq, H, D] in q's dtype.
     """
+    if q.shape[0] == 1 and q.device.type == "cpu":
+        qp = int(q_pos[0])
+        lo = 0 if window is None else qp - window + 1
+        if int(k_pos[-1]) <= qp and int(k_pos[0]) >= lo:  # every key visible: no mask
+            return decode_attention(q, k[None], v[None], None, scale)  # [1, H, D]
     mask = None
     if not (q.shape[0] == 1 and window is None and int(k_pos[-1]) <= int(q_pos[0])):
         mask = visibility_mask(q_pos, k_pos, window)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache stores fp32 (memra/engine/kv_cache.py kv_storage_dtype)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence over its keys: the decode step's attention on the CPU.
+
+    Args:
+        q: [B, H, D]; k, v: [B, L, KV, D] (H a multiple of KV: grouped-query attention).
+        valid: bool [B, L], True where the key is visible (None: all are).
+        scale: softmax scale.
+    Returns [B, H, D] in q's dtype.
+
+    Two batched matmuls and a softmax in fp32 whatever the cache dtype: at one query torch's
+    CPU SDPA costs 2-5x more (``memra bench cpu``, issue 19), and bf16 matmuls on these CPUs
+    are slower than fp32 ones at these sizes. Same math as :func:`attention` (softmax of
+    q k^T * scale over the visible keys, times v).
+    """
+    B, H, D = q.shape
+    L, KV = k.shape[1], k.shape[2]
+    qg = torch.mul(q.reshape(B * KV, H // KV, D).float(), scale)
+    kt = k.float().transpose(1, 2).reshape(B * KV, L, D)  # a view at B = 1 (rows of stride KV*D: BLAS-ready)
+    vt = v.float().transpose(1, 2).reshape(B * KV, L, D)
+    s = torch.bmm(qg, kt.transpose(1, 2))  # [B KV, G, L]
+    if valid is not None:
+        s.view(B, KV, -1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    o = torch.bmm(torch.softmax(s, dim=-1), vt)  # [B KV, G, D]
+    return o.view(B, H, D).to(q.dtype)
 
 
 class AttentionBackend(Protocol):

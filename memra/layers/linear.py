@@ -13,40 +13,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
+from ..quant.dequant import AFFINE32_BITS
 from ..quant.tensor import QTensor
-from ..quant.types import QType
 from .device import KernelLayer
 
-__all__ = ["Linear", "Embedding", "gpu_linear", "pack_for_gpu"]
+__all__ = ["Linear", "Embedding", "gpu_linear", "int4_digits", "pack_for_gpu"]
 
 
 def _int4pack_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def q4_codes_scale_zero(qt: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 blocks as codes and per-32 affine parameters.
+def int4_digits(parts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Row-stacked ``parts`` of per-32 affine formats (memra/quant/dequant.py ``AFFINE32_BITS``) as
+    4-bit digits for torch's group-32 int4 kernel, whose weight is ``(c - 8) * scale + zero``.
 
-    Returns (codes int32 [N, K] in 0..15, scale fp32 [N, K/32], zero fp32 [N, K/32]) with
-    ``w = (q - 8) * scale + zero``: Q4_0 ``d * (q - 8)`` gives (d, 0); Q4_1 ``d * q + m``
-    gives (d, m + 8 d). Layouts: ggml ``block_q4_0`` / ``block_q4_1`` (low nibbles are
-    elements 0-15, high nibbles 16-31).
+    A ``b``-bit code ``q`` (``w = s q + o`` per 32 weights) with ``b <= 4`` is one digit,
+    ``scale = s``, ``zero = 8 s + o``. With ``4 < b <= 8`` it is two: the top digit
+    ``h = q >> (b - 4)`` (0..15) with ``scale = 2^(b-4) s`` and ``zero = 8 scale + o``, the low digit
+    ``l = q & (2^(b-4) - 1)`` with ``scale = s``, ``zero = 8 s`` (its term ``s l >= 0``). Q8_0's and
+    Q5_0's offsets centre the top digit (its zero is then ~0), so the kernel's bf16 scale and zero
+    roundings stay small next to the weight, and so do the partial sums. The digits are row blocks
+    ``[top rows | low rows]`` of a ``D N``-row weight; the product's blocks summed give ``x W^T``.
 
-    Raises:
-        ValueError: not a 2-D Q4_0/Q4_1 tensor.
+    Returns (codes int32 [D N, K] in 0..15, scale_zero fp32 [K / 32, D N, 2], D).
+    Raises: ValueError for a part not 2-D, a format without a per-32 affine form or parts of
+    different widths.
     """
-    if qt.qtype not in (QType.Q4_0, QType.Q4_1) or len(qt.shape) != 2:
-        raise ValueError(f"{qt!r}: expected a 2-D Q4_0 or Q4_1 tensor")
-    n, k = qt.shape
-    blocks = qt.data.reshape(n * k // 32, -1)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(n, k // 32)
-    off = 2 if qt.qtype == QType.Q4_0 else 4
-    qs = blocks[:, off : off + 16]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int32).reshape(n, k)
-    if qt.qtype == QType.Q4_0:
-        return codes, d, torch.zeros_like(d)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(n, k // 32)
-    return codes, d, m + 8 * d
+    from ..quant.dequant import AFFINE32_BITS, affine32
+
+    if any(len(p.shape) != 2 or p.qtype not in AFFINE32_BITS for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"int4_digits: {parts} are not 2-D parts of equal width in "
+                         f"{', '.join(t.name for t in AFFINE32_BITS)}")
+    k = parts[0].shape[1]
+    digits = 1 if max(AFFINE32_BITS[p.qtype] for p in parts) <= 4 else 2
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(digits)]
+    for p in parts:
+        q, sc, off = affine32(p.data.reshape(-1), p.qtype)
+        n = p.shape[0]
+        q, sc, off = q.reshape(n, k), sc.reshape(n, k // 32), off.reshape(n, k // 32)
+        shift = max(AFFINE32_BITS[p.qtype] - 4, 0)
+        top = sc * 2.0 ** shift
+        blocks[0].append((q >> shift, top, 8 * top + off))
+        if digits == 2:
+            blocks[1].append((q & ((1 << shift) - 1), sc, 8 * sc))
+    codes, scale, zero = (torch.cat([t[i] for d in blocks for t in d]) for i in range(3))
+    return codes.to(torch.int32), torch.stack([scale.t(), zero.t()], -1), digits
 
 
 class Linear(KernelLayer):
@@ -64,10 +76,12 @@ class Linear(KernelLayer):
 
     - ``"dense"``: the weight dequantized once into ``dtype``. fp32 is stored [in, out]
       (x @ W^T streams ~30% faster that way at decode widths); bf16 [out, in] (oneDNN).
-    - ``"int4"``: bf16 with every part Q4_0/Q4_1: torch's int4 group-wise CPU kernel
-      (``_weight_int4pack_mm_for_cpu``, group 32) reads the packed 4-bit codes directly,
-      ~3x faster than a dense bf16 GEMV. Its scale/zero are bf16, so the GGUF's fp16
-      ``d`` and ``m`` are rounded to bf16 (relative error <= 2^-9 per block parameter).
+    - ``"int4"``: bf16 with every part in a per-32 affine format (Q4_0/Q4_1/Q4_K: one 4-bit
+      digit; Q5_0/Q5_1/Q5_K/Q8_0: two, :func:`int4_digits`): torch's int4 group-wise CPU kernel
+      (``_weight_int4pack_mm_for_cpu``, group 32) reads the packed codes directly: at decode
+      ~2.5x faster than a dense bf16 GEMV with one digit, ~2x with two (0.63 / 1.25 bytes per
+      weight against 2; ``memra bench cpu``). Its scale/zero are bf16, so the GGUF's fp16
+      scales and offsets are rounded to bf16 (relative error <= 2^-9 per block parameter).
 
     Raises:
         ValueError: parts with different in_features.
@@ -91,13 +105,12 @@ class Linear(KernelLayer):
             self.qweights, self.kernel, self.kernels = [], "gpu", True
             return
         if (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
-                and all(p.qtype in (QType.Q4_0, QType.Q4_1) for p in parts)):
+                and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0):
             self.kernel = "int4"
-            codes, scale, zero = (torch.cat(t) for t in zip(*(q4_codes_scale_zero(p) for p in parts)))
+            codes, scale_zero, self.digits = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                                  persistent=False)
-            self.register_buffer("scale_zero", torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous(),
-                                 persistent=False)
+            self.register_buffer("scale_zero", scale_zero.to(dtype).contiguous(), persistent=False)
             return
         self.kernel = "dense"
         dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
@@ -155,15 +168,25 @@ class Linear(KernelLayer):
             return dequantize_packed(self.packed_weight).to(self.dtype)
         if self.kernel == "int4":
             eye = torch.eye(self.in_features, dtype=self.dtype)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.scale_zero).t()
+            return self._int4(eye).t()
         return self.stored.t() if self.transposed else self.stored
+
+    def _int4(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] bf16 through the int4 kernel: [M, D N], the digits' row blocks summed -> [M, N]."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, 32, self.scale_zero)
+        if self.digits == 1:
+            return y
+        n = self.out_features
+        out = y[:, :n].float()
+        for j in range(1, self.digits):
+            out += y[:, j * n:(j + 1) * n]
+        return out.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "gpu":
             return gpu_linear(x, self.packed_weight, self.bias)
         if self.kernel == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, 32,
-                                                             self.scale_zero).reshape(*x.shape[:-1], -1)
+            y = self._int4(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         elif not self.transposed:
             return F.linear(x, self.stored, self.bias)
         else:

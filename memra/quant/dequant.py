@@ -23,6 +23,8 @@ import torch
 from .types import QTYPE_INFO, QType, UnsupportedQTypeError
 
 __all__ = [
+    "AFFINE32_BITS",
+    "affine32",
     "dequantize_blocks",
     "quantize_q8_0",
     "quantize_nvfp4",
@@ -341,6 +343,66 @@ def dequantize_blocks(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
         return _PLAIN_FNS[qt](raw)
     blocks = raw.reshape(-1, info.type_size)
     return _BLOCK_FNS[qt](blocks).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# codes and per-32 affine parameters (what a group-wise integer kernel reads)
+
+#: Formats whose every 32 consecutive weights share one affine map ``w = scale * q + offset`` of
+#: unsigned integer codes ``q``, with the codes' bit width: the ones a group-32 integer kernel can
+#: read without dequantizing (Q6_K, Q2_K, Q3_K have 16-weight groups; NVFP4 is not affine).
+AFFINE32_BITS: dict[QType, int] = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q5_0: 5, QType.Q5_1: 5, QType.Q8_0: 8,
+                                   QType.Q4_K: 4, QType.Q5_K: 5}
+
+
+def affine32(raw: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split blocks of an :data:`AFFINE32_BITS` format into codes and per-32 affine parameters.
+
+    Args:
+        raw: uint8 blocks as :func:`dequantize_blocks` takes them (n weights in all, n % 32 == 0).
+        qtype: the format.
+    Returns:
+        (codes uint8 [n] in 0 .. 2**bits - 1, scale fp32 [n / 32], offset fp32 [n / 32]) with weight
+        i equal to ``scale[i // 32] * codes[i] + offset[i // 32]``: Q4_0 ``d (q - 8)`` -> (d, -8 d);
+        Q5_0 ``d (q - 16)`` -> (d, -16 d); Q8_0 ``d q`` with signed q -> codes q + 128, (d, -128 d);
+        Q4_1 / Q5_1 ``d q + m`` -> (d, m); Q4_K / Q5_K ``(d sc) q - dmin m`` per 32-weight
+        sub-block -> (d sc, -dmin m). Same layouts as the dequantizers above; the values equal
+        theirs up to one fp32 rounding of the offset products.
+    Raises:
+        UnsupportedQTypeError: a format not in :data:`AFFINE32_BITS`; ValueError as dequantize_blocks.
+    """
+    qt = _as_qtype(qtype)
+    if qt not in AFFINE32_BITS:
+        raise UnsupportedQTypeError(f"affine32: {qt.name} has no per-32 affine form (supported: "
+                                    f"{', '.join(t.name for t in AFFINE32_BITS)})")
+    info = QTYPE_INFO[qt]
+    if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() % info.type_size:
+        raise ValueError(f"affine32({qt.name}): raw must be 1-D uint8 whole {info.type_size}-byte blocks, got "
+                         f"{raw.dtype} {tuple(raw.shape)}")
+    b = raw.contiguous().reshape(-1, info.type_size)
+    n = b.shape[0]
+    if qt in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0):
+        d = _f16(b, 0)
+        if qt == QType.Q8_0:
+            q = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            return q.reshape(-1), d.reshape(-1), (-128.0 * d).reshape(-1)
+        off = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8}[qt]
+        lo, hi = _nibbles(b[:, off:off + 16])
+        q = torch.cat([lo, hi], dim=1)
+        if qt in (QType.Q5_0, QType.Q5_1):
+            q = q | (_q5_high_bits(b[:, off - 4:off]) << 4)
+        m = _f16(b, 2) if qt in (QType.Q4_1, QType.Q5_1) else -(8.0 if qt == QType.Q4_0 else 16.0) * d
+        return q.reshape(-1), d.reshape(-1), m.reshape(-1)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    scale = d * sc.to(torch.float32)  # [n, 8]
+    offset = -(dmin * mn.to(torch.float32))
+    qs = b[:, 16:144] if qt == QType.Q4_K else b[:, 48:176]
+    lo, hi = _nibbles(qs.reshape(n, 4, 1, 32))
+    q = torch.cat([lo, hi], dim=2).reshape(n, 8, 32)
+    if qt == QType.Q5_K:
+        q = q | (_bits(b[:, 16:48]).transpose(1, 2) << 4)
+    return q.reshape(-1), scale.reshape(-1), offset.reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------
