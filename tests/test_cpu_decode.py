@@ -75,3 +75,25 @@ def test_decode_steps_match_one_prefill(dtype):
     else:
         agree = (m.logits(steps).argmax(-1) == m.logits(full[8:]).argmax(-1)).float().mean().item()
         assert agree >= 0.9, agree
+
+
+def test_head_logits_rescores_the_top_candidates_exactly():
+    """The int4 head's top-k logits are the fp32 dot products with the dequantized rows; the rest are
+    the kernel's; the argmax is then the fp32 head's on the same hidden state."""
+    from test_linear import random_q4
+
+    from memra.layers.linear import RESCORE_TOP_K, Linear, head_logits
+    from memra.quant.types import QType
+
+    w = random_q4(QType.Q8_0, 512, 128, 7)
+    head = Linear(w, None, torch.bfloat16)
+    assert head.kernel == "int4"
+    h = torch.randn(3, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    got = head_logits(head, h)
+    plain = head(h).float()
+    exact = h.float() @ w.dequantize().t()
+    top = plain.topk(RESCORE_TOP_K, -1).indices
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[rest], plain[rest])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))

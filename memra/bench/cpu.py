@@ -60,7 +60,9 @@ AGREEMENT_TEXT = (
     "children learning to sail small wooden boats between the buoys. One of them capsized, laughed, "
     "climbed back in and tried again. When the sun went down he lit the lamp, sat by the window with "
     "a book about the history of navigation, and listened to the waves until he fell asleep in his "
-    "chair, the beam turning slowly above him through the night."
+    "chair, the beam turning slowly above him through the night. In the morning the storm had passed "
+    "to the north, the sea was flat and bright, and a new family of gulls had settled on the rocks "
+    "below the tower, quarrelling loudly over the remains of a crab."
 )
 
 
@@ -108,7 +110,14 @@ def _llamacpp_bytes(path: str, context: float) -> dict:
 
 def memory_bandwidth(threads: int, mib: int = 512) -> dict:
     """This machine's memory bandwidth with ``threads`` torch threads, GB/s: the best of 5 reads
-    (a sum) of a ``mib`` MiB fp32 buffer and of 5 copies of it (read + write bytes counted)."""
+    (a sum) of a ``mib`` MiB fp32 buffer and of 5 copies of it (read + write bytes counted).
+    Runs in a child process (its buffers would otherwise count in the engines' peak RSS: the
+    high-water mark survives fork and exec)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_memory_bandwidth, (threads, mib))
+
+
+def _memory_bandwidth(threads: int, mib: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)

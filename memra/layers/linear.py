@@ -17,7 +17,7 @@ from ..quant.dequant import AFFINE32_BITS
 from ..quant.tensor import QTensor
 from .device import KernelLayer
 
-__all__ = ["Linear", "Embedding", "gpu_linear", "int4_digits", "pack_for_gpu"]
+__all__ = ["Linear", "Embedding", "gpu_linear", "head_logits", "int4_digits", "pack_for_gpu"]
 
 
 def _int4pack_available() -> bool:
@@ -185,6 +185,8 @@ class Linear(KernelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "gpu":
             return gpu_linear(x, self.packed_weight, self.bias)
+        if x.dtype != self.dtype:  # the CPU's fp32 residual stream (memra/layers/norm.py) feeding a bf16 layer
+            x = x.to(self.dtype)
         if self.kernel == "int4":
             y = self._int4(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         elif not self.transposed:
@@ -192,6 +194,35 @@ class Linear(KernelLayer):
         else:
             y = torch.matmul(x, self.stored)
         return y if self.bias is None else y + self.bias
+
+
+#: Candidates :func:`head_logits` re-scores exactly.
+RESCORE_TOP_K = 8
+
+
+def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) -> torch.Tensor:
+    """An LM head's fp32 logits [..., vocab] of ``hidden`` [..., in_features].
+
+    On the CPU's int4 path the kernel's output is bf16: a logit near 20 is rounded to a multiple
+    of 1/16, enough to swap the two best tokens (smollm2-135m: 8 of 271 greedy tokens of a text
+    differed from float32's that way, ``memra bench cpu`` top-1). There the ``top_k`` largest
+    logits of each row are recomputed in fp32 from the checkpoint's rows dequantized exactly
+    (the argmax and the head of the distribution that sampling sees; ~0.1 ms per row). Other
+    paths return ``head(hidden).float()``.
+    """
+    y = head(hidden).float()
+    if head.kernel != "int4" or len(head.qweights) != 1:
+        return y
+    q = head.qweights[0]
+    flat = y.view(-1, head.out_features)
+    h = hidden.reshape(-1, head.in_features).float()
+    top = flat.topk(min(top_k, head.out_features), dim=-1).indices  # [R, k]
+    rows = QTensor(q.name, q.qtype, (top.numel(), head.in_features), q.data[top.reshape(-1)]).dequantize()
+    exact = (rows.view(*top.shape, -1) * h[:, None, :]).sum(-1)
+    if head.bias is not None:
+        exact = exact + head.bias.float()[top]
+    flat.scatter_(1, top, exact)
+    return y
 
 
 def weight_device(w) -> torch.device:

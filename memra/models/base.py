@@ -16,7 +16,7 @@ from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
 from ..layers.device import check_gpu_device, modules_to_gpu, on_device
-from ..layers.linear import Embedding, Linear
+from ..layers.linear import Embedding, Linear, head_logits
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin, rope_key
 from ..quant.fp8 import FP8BlockTensor
@@ -154,6 +154,7 @@ class CausalLM(nn.Module):
         for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
             x, residual = layer(x, residual, cos, sin, kv)
         y, x = self.norm.add(x, residual)
+        x = x.to(y.dtype)  # the CPU's fp32 residual stream (memra/layers/norm.py) back in the compute dtype
         return (y, x) if both else x if prenorm else y
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,8 +167,9 @@ class CausalLM(nn.Module):
         return [tables[key] for key in self._rope_keys]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]."""
-        return self.lm_head(hidden).float()
+        """LM head: final-normed hidden [..., hidden] -> fp32 logits [..., vocab]
+        (memra/layers/linear.py :func:`~memra.layers.linear.head_logits`)."""
+        return head_logits(self.lm_head, hidden)
 
     def quantize_attention(self, fmt: str) -> int:
         """GPU form only: hold every attention layer's projections (fused QKV(+gate) and output,

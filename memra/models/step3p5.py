@@ -31,7 +31,7 @@ from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
 from ..layers.activations import GatedMLP, swiglu
 from ..layers.attention import Attention, SelfContainedKV
-from ..layers.linear import Embedding, Linear
+from ..layers.linear import Embedding, Linear, head_logits
 from ..layers.moe import MoE, RoutedExperts
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
@@ -79,10 +79,10 @@ class MTPLayer(nn.Module):
                 kv) -> torch.Tensor:
         z = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [T, 2D] -> [T, D]
         x, residual = self.layer(z, None, cos, sin, kv)
-        return x + residual
+        return (x + residual).to(x.dtype)  # the CPU keeps the residual in fp32 (memra/layers/norm.py)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
-        return self.head(self.head_norm(z)).float()
+        return head_logits(self.head, self.head_norm(z))
 
 
 @register_model("step35")
