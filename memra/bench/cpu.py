@@ -69,7 +69,8 @@ AGREEMENT_TEXT = (
 def decode_bytes(model, context: float) -> dict:
     """Bytes a decode step of ``model`` (a :class:`memra.models.base.CausalLM` on the CPU) reads:
     each Linear's stored weight once (int4: packed codes + bf16 scale/zero; dense: the matrix in
-    its dtype), one embedding row, the norms, and the fp32 KV cache of ``context`` tokens.
+    its dtype; the dense copy an int4 layer keeps for prefill is not read at decode), one embedding row,
+    the norms, and the fp32 KV cache of ``context`` tokens.
     Returns ``{"weights": bytes, "kv": bytes, "total": bytes}``."""
     from memra.layers.linear import Embedding, Linear
     from memra.layers.norm import RMSNorm
@@ -77,7 +78,8 @@ def decode_bytes(model, context: float) -> dict:
     w = 0
     for mod in model.modules():
         if isinstance(mod, Linear):
-            w += sum(t.numel() * t.element_size() for t in mod.buffers())
+            read = [mod.packed, mod.scale_zero] if mod.kernel == "int4" else [mod.stored]
+            w += sum(t.numel() * t.element_size() for t in read + ([] if mod.bias is None else [mod.bias]))
         elif isinstance(mod, Embedding):
             w += mod.rows.numel() * mod.rows.element_size() // mod.vocab_size
         elif isinstance(mod, RMSNorm):

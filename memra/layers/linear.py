@@ -61,6 +61,13 @@ def int4_digits(parts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     return codes.to(torch.int32), torch.stack([scale.t(), zero.t()], -1), digits
 
 
+#: Rows of x up to which the CPU's int4 kernel runs; more rows (prefill) take the dense bf16 GEMM.
+#: The int4 kernel's time grows linearly with the rows, the GEMM's far slower: on the 2-core CI
+#: CPU (torch 2.13) at [3072, 576] int4 / dense are 0.06 / 0.11 ms at 1 row, 0.10 / 0.13 at 4,
+#: 0.40 / 0.23 at 16, 3.1 / 1.1 at 128; at [9728, 896] 0.46 / 1.33, 0.83 / 1.70, 3.4 / 2.7, 27 / 11.
+INT4_MAX_ROWS = 8
+
+
 class Linear(KernelLayer):
     """y = x @ W^T (+ b), W the row-concatenation of one or more packed weights.
 
@@ -76,6 +83,7 @@ class Linear(KernelLayer):
 
     - ``"dense"``: the weight dequantized once into ``dtype``. fp32 is stored [in, out]
       (x @ W^T streams ~30% faster that way at decode widths); bf16 [out, in] (oneDNN).
+      Also held next to the int4 codes: inputs of more than :data:`INT4_MAX_ROWS` rows take it.
     - ``"int4"``: bf16 with every part in a per-32 affine format (Q4_0/Q4_1/Q4_K: one 4-bit
       digit; Q5_0/Q5_1/Q5_K/Q8_0: two, :func:`int4_digits`): torch's int4 group-wise CPU kernel
       (``_weight_int4pack_mm_for_cpu``, group 32) reads the packed codes directly: at decode
@@ -111,10 +119,11 @@ class Linear(KernelLayer):
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                                  persistent=False)
             self.register_buffer("scale_zero", scale_zero.to(dtype).contiguous(), persistent=False)
-            return
-        self.kernel = "dense"
+        else:
+            self.kernel = "dense"
+        # the dense weight: the GEMM of prefill (and of everything without the int4 kernel)
         dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
-        self.transposed = dtype == torch.float32
+        self.transposed = dtype == torch.float32 and self.kernel == "dense"
         self.register_buffer("stored", dense.t().contiguous() if self.transposed else dense, persistent=False)
 
     # ------------------------------------------------------------------ GPU
@@ -187,7 +196,7 @@ class Linear(KernelLayer):
             return gpu_linear(x, self.packed_weight, self.bias)
         if x.dtype != self.dtype:  # the CPU's fp32 residual stream (memra/layers/norm.py) feeding a bf16 layer
             x = x.to(self.dtype)
-        if self.kernel == "int4":
+        if self.kernel == "int4" and x.numel() <= INT4_MAX_ROWS * self.in_features:
             y = self._int4(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         elif not self.transposed:
             return F.linear(x, self.stored, self.bias)
@@ -203,15 +212,15 @@ RESCORE_TOP_K = 8
 def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) -> torch.Tensor:
     """An LM head's fp32 logits [..., vocab] of ``hidden`` [..., in_features].
 
-    On the CPU's int4 path the kernel's output is bf16: a logit near 20 is rounded to a multiple
-    of 1/16, enough to swap the two best tokens (smollm2-135m: 8 of 271 greedy tokens of a text
+    On the CPU in bfloat16 (the int4 kernel or the dense GEMM) the output is bf16: a logit near 20
+    is rounded to a multiple of 1/16, enough to swap the two best tokens (smollm2-135m: 8 of 271 greedy tokens of a text
     differed from float32's that way, ``memra bench cpu`` top-1). There the ``top_k`` largest
     logits of each row are recomputed in fp32 from the checkpoint's rows dequantized exactly
     (the argmax and the head of the distribution that sampling sees; ~0.1 ms per row). Other
     paths return ``head(hidden).float()``.
     """
     y = head(hidden).float()
-    if head.kernel != "int4" or len(head.qweights) != 1:
+    if head.kernel not in ("int4", "dense") or head.dtype == torch.float32 or len(head.qweights) != 1:
         return y
     q = head.qweights[0]
     flat = y.view(-1, head.out_features)
