@@ -97,3 +97,35 @@ def test_head_logits_rescores_the_top_candidates_exactly():
     rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
     assert torch.equal(got[rest], plain[rest])
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+def test_int4_needs_the_packers_row_granularity_and_builds_lazily():
+    """The int4 packer takes a multiple of 16 rows (digits x out_features): other layers stay dense
+    (a 32002-row Q8_0 head loads); a layer moved to its GPU form never builds the CPU forms."""
+    from test_linear import random_q4
+
+    from memra.layers.linear import Linear
+    from memra.quant.types import QType
+
+    x = torch.randn(2, 64)
+    for qtype, n, kernel in ((QType.Q8_0, 36, "dense"), (QType.Q8_0, 40, "int4"), (QType.Q4_0, 24, "dense"),
+                             (QType.Q4_0, 32, "int4")):
+        w = random_q4(qtype, n, 64, n)
+        lin = Linear(w, None, torch.bfloat16)
+        assert lin.kernel == kernel, (qtype, n)
+        ref = x @ w.dequantize().t()
+        err = ((lin(x.to(torch.bfloat16)).float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-2, (qtype, n, err)
+    lazy = Linear(random_q4(QType.Q8_0, 32, 64, 1), None, torch.bfloat16)
+    assert "stored" not in lazy._buffers and "packed" not in lazy._buffers
+    lazy.to_gpu("cpu")  # the GPU form (here under the Triton interpreter's device, the CPU)
+    assert lazy.kernel == "gpu" and "stored" not in lazy._buffers and "packed" not in lazy._buffers
+
+
+def test_head_logits_of_other_heads_is_their_output():
+    """A head that is not memra's Linear (e.g. the vocab-parallel head of a TP shard) is taken as is."""
+    from memra.layers.linear import head_logits
+
+    head = torch.nn.Linear(8, 5, bias=False)
+    h = torch.randn(3, 8)
+    torch.testing.assert_close(head_logits(head, h), head(h).float())

@@ -25,6 +25,10 @@ def test_generate_text_and_ids_agree(llm):
     c, d = llm.generate([{"prompt_token_ids": ids}, {"prompt": "The capital of France is"}], p)  # vLLM's dict forms
     assert c.outputs[0].token_ids == d.outputs[0].token_ids == a.outputs[0].token_ids
     assert d.prompt == "The capital of France is"
+    import numpy as np
+
+    e = llm.generate({"prompt_token_ids": np.array(ids)}, p)[0]  # numpy integer ids
+    assert e.outputs[0].token_ids == a.outputs[0].token_ids
 
 
 def test_seed_reproducible_and_n(llm):

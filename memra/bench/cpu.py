@@ -231,40 +231,58 @@ def run_cpu_bench(a) -> int:
         engines.append(("llama.cpp", "llamacpp", (a.model, a.threads, a.prompt_tokens, a.decode_tokens)))
     ctx = mp.get_context("spawn")
     rows, procs = [], []
-    for name, kind, args in engines:  # load one at a time so loads do not disturb each other
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(kind, args, child))
-        proc.start()
-        first = parent.recv()
-        rows.append({"engine": name, **first, "prefill": [], "decode": []})
-        procs.append((proc, parent))
-    for _ in range(a.rounds):
-        for row, (_proc, conn) in zip(rows, procs):
-            if "error" in row:
-                continue
-            conn.send("measure")
+
+    def ask(row: dict, conn, msg: str):
+        """Send ``msg`` to a worker; its reply, or None once the worker has failed (the row then holds
+        the error: one it reported, or its death)."""
+        if "error" in row:
+            return None
+        try:
+            conn.send(msg)
             got = conn.recv()
-            if isinstance(got, dict):
-                row.update(got)
-                continue
-            row["prefill"].append(got[0])
-            row["decode"].append(got[1])
+        except (EOFError, OSError) as e:
+            row["error"] = f"worker died ({type(e).__name__})"
+            return None
+        if isinstance(got, dict) and "error" in got:
+            row.update(got)
+            return None
+        return got
+
     greedy = {}
-    for row, (_proc, conn) in zip(rows, procs):
-        if "error" not in row and row["engine"].startswith("memra"):
-            conn.send("agreement")
-            greedy[row["engine"]] = conn.recv()["greedy"]
+    try:
+        for name, kind, args in engines:  # load one at a time so loads do not disturb each other
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(kind, args, child), daemon=True)
+            proc.start()
+            try:
+                first = parent.recv()
+            except EOFError:
+                first = {"error": "worker died while loading"}
+            rows.append({"engine": name, **first, "prefill": [], "decode": []})
+            procs.append((proc, parent))
+        for _ in range(a.rounds):
+            for row, (_proc, conn) in zip(rows, procs):
+                got = ask(row, conn, "measure")
+                if got is not None:
+                    row["prefill"].append(got[0])
+                    row["decode"].append(got[1])
+        for row, (_proc, conn) in zip(rows, procs):
+            if row["engine"].startswith("memra") and (got := ask(row, conn, "agreement")) is not None:
+                greedy[row["engine"]] = got["greedy"]
+        for row, (_proc, conn) in zip(rows, procs):
+            if (got := ask(row, conn, "stop")) is not None:
+                row.update(got)
+    finally:
+        for proc, _conn in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
     exact = greedy.get("memra float32")
     for row in rows:
         if exact and row["engine"] in greedy and row["engine"] != "memra float32":
             g = greedy[row["engine"]]
             row["top1_agreement_vs_float32"] = sum(a == b for a, b in zip(g, exact)) / len(exact)
             row["agreement_tokens"] = len(exact)
-    for row, (proc, conn) in zip(rows, procs):
-        if "error" not in row:
-            conn.send("stop")
-            row.update(conn.recv())
-        proc.join()
     if not a.no_llamacpp:
         rows.append(_llama_bench(a.model, a.threads, a.prompt_tokens, a.decode_tokens, a.rounds))
         try:

@@ -8,6 +8,7 @@ once (in chunks of ``max_num_batched_tokens``), then each decode step feeds one 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -97,10 +98,14 @@ class LLM:
             prompt = prompt[keys.pop()]
         if isinstance(prompt, str):
             return self.engine.encode_prompt(prompt)
-        ids = list(prompt)
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
-        if bad:
-            raise ValueError(f"token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+        ids = []
+        for t in prompt:
+            try:
+                if isinstance(t, (bool, float, str, bytes)):
+                    raise TypeError
+                ids.append(operator.index(t))  # int, numpy and torch integer scalars
+            except TypeError:
+                raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__})") from None
         return self.engine.encode_prompt(ids)
 
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],

@@ -64,13 +64,17 @@ def _rotate_half_matrix(rot: int, dtype: torch.dtype, device: torch.device) -> t
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX (rotate-half) RoPE of the first ``rot = cos.shape[-1]`` dims of each head of ``x``
     [T, H, D]: ``x * cos + rotate_half(x) * sin`` in x's dtype, the other dims passed through.
-    cos, sin [T, rot]. Su et al. 2021, "RoFormer". ``rotate_half`` is a product with a signed
-    permutation matrix (exact; three ops instead of slices, a negation and a concatenation:
-    decode on the CPU is op-bound)."""
+    cos, sin [T, rot]. Su et al. 2021, "RoFormer". On the CPU ``rotate_half`` is a product with a
+    signed permutation matrix (exact for finite x; one op instead of slices, a negation and a
+    concatenation: decode on the CPU is op-bound)."""
     rot = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
     xr = x[..., :rot] if rot != x.shape[-1] else x
-    out = torch.addcmul(xr * cos, xr @ _rotate_half_matrix(rot, x.dtype, x.device), sin)
+    if x.device.type == "cpu":
+        rotated = xr @ _rotate_half_matrix(rot, x.dtype, x.device)
+    else:  # no matmul: TF32 would make it inexact
+        rotated = torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], dim=-1)
+    out = xr * cos + rotated * sin  # not addcmul: its fused rounding differs between vector body and tail
     if rot == x.shape[-1]:
         return out
     return torch.cat([out, x[..., rot:]], dim=-1)

@@ -36,13 +36,19 @@ class GatedMLP(KernelLayer):
         gate_up: Linear [2I, D]; down: Linear [D, I].
         act: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
         limit: SwiGLU clamp (STEP35.md "SwiGLU clamp"), None for none; only with ``act="silu"``.
+        part_sizes: a tensor-parallel shard's canonical parts of I (memra/parallel/shard.py): the
+            activation then runs on each part's columns separately, so that each call has the same
+            shape at every TP size (torch's vectorised loops round their scalar tails differently:
+            one call over 4 parts and 4 calls over one are not bit-identical otherwise).
     forward(x [T, D]) -> [T, D].
 
     Raises: ValueError for an unknown activation or a clamp on a non-SiLU gate.
     """
 
-    def __init__(self, gate_up: Linear, down: Linear, act: str = "silu", limit: float | None = None):
+    def __init__(self, gate_up: Linear, down: Linear, act: str = "silu", limit: float | None = None,
+                 part_sizes: list[int] | None = None):
         super().__init__()
+        self.part_sizes = part_sizes
         if act not in ACTIVATIONS:
             raise ValueError(f"GatedMLP: unknown activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
         if limit is not None and act != "silu":
@@ -53,6 +59,12 @@ class GatedMLP(KernelLayer):
         if self.kernels and self.act == "silu":
             return self.down(fused_swiglu(self.gate_up(x), self.limit))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if self.part_sizes and len(self.part_sizes) > 1:
+            return self.down(torch.cat([self._act(g, u) for g, u in zip(gate.split(self.part_sizes, -1),
+                                                                        up.split(self.part_sizes, -1))], -1))
+        return self.down(self._act(gate, up))
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.act == "silu":
-            return self.down(swiglu_torch(gate, up, self.limit))
-        return self.down(ACTIVATIONS[self.act](gate) * up)
+            return swiglu_torch(gate, up, self.limit)
+        return ACTIVATIONS[self.act](gate) * up

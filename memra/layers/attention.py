@@ -89,13 +89,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     """
     B, H, D = q.shape
     L, KV = k.shape[1], k.shape[2]
-    qg = torch.mul(q.reshape(B * KV, H // KV, D).float(), scale)
-    kt = k.float().transpose(1, 2).reshape(B * KV, L, D)  # a view at B = 1 (rows of stride KV*D: BLAS-ready)
+    G = H // KV
+    qg = torch.mul(q.reshape(B * KV, G, D).float(), scale)
+    kt = k.float().transpose(1, 2).reshape(B * KV, L, D).transpose(1, 2)  # a view at B = 1: [B KV, D, L]
     vt = v.float().transpose(1, 2).reshape(B * KV, L, D)
-    s = torch.bmm(qg, kt.transpose(1, 2))  # [B KV, G, L]
+    # one GEMM per query head of a group (M = 1): a GEMM's rounding depends on its M, and a tensor-
+    # parallel rank holds fewer heads per KV head than one rank does (bit-identical TP, issue 17)
+    s = torch.cat([torch.bmm(qg[:, g:g + 1], kt) for g in range(G)], dim=1)  # [B KV, G, L]
     if valid is not None:
-        s.view(B, KV, -1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
-    o = torch.bmm(torch.softmax(s, dim=-1), vt)  # [B KV, G, D]
+        s.view(B, KV, G, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.cat([torch.bmm(p[:, g:g + 1], vt) for g in range(G)], dim=1)  # [B KV, G, D]
     return o.view(B, H, D).to(q.dtype)
 
 

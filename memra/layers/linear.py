@@ -112,19 +112,32 @@ class Linear(KernelLayer):
             self.packed_weight = pack_for_gpu(parts, dev, name=parts[0].name)
             self.qweights, self.kernel, self.kernels = [], "gpu", True
             return
-        if (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
-                and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0):
-            self.kernel = "int4"
+        self.digits = 1 if max(AFFINE32_BITS.get(p.qtype, 8) for p in parts) <= 4 else 2
+        int4 = (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
+                and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0
+                and self.digits * self.out_features % 16 == 0)  # the int4 packer's row granularity
+        self.kernel = "int4" if int4 else "dense"
+        self.transposed = dtype == torch.float32 and self.kernel == "dense"
+        self._built = False  # the CPU forms are built on first use (a layer bound for a GPU never needs them)
+
+    def build(self) -> Linear:
+        """Build the CPU forms of the weight (idempotent; called by the first forward, by ``weight``
+        and by the CPU loader once a model is complete): the int4 codes and bf16 scale/zero, and the
+        dense weight in ``dtype`` (the GEMM of prefill, and of everything without the int4 kernel).
+        Returns self."""
+        if self.kernel == "gpu" or self._built:
+            return self
+        parts = self.qweights
+        if self.kernel == "int4":
             codes, scale_zero, self.digits = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                                  persistent=False)
-            self.register_buffer("scale_zero", scale_zero.to(dtype).contiguous(), persistent=False)
-        else:
-            self.kernel = "dense"
-        # the dense weight: the GEMM of prefill (and of everything without the int4 kernel)
-        dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
-        self.transposed = dtype == torch.float32 and self.kernel == "dense"
+            self.register_buffer("scale_zero", scale_zero.to(self.dtype).contiguous(), persistent=False)
+        dense = torch.cat([p.dequantize(self.dtype) for p in parts]) if len(parts) > 1 else \
+            parts[0].dequantize(self.dtype)
         self.register_buffer("stored", dense.t().contiguous() if self.transposed else dense, persistent=False)
+        self._built = True
+        return self
 
     # ------------------------------------------------------------------ GPU
     @classmethod
@@ -145,7 +158,7 @@ class Linear(KernelLayer):
         format (:func:`pack_for_gpu`); the host copies are dropped. Compute dtype becomes ``dtype``."""
         self.packed_weight = pack_for_gpu(self.qweights, device, name=self.qweights[0].name if self.qweights else "")
         for name in ("stored", "packed", "scale_zero"):
-            if hasattr(self, name):
+            if name in self._buffers:
                 delattr(self, name)
         self.qweights = []
         if self.bias is not None:
@@ -172,12 +185,11 @@ class Linear(KernelLayer):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight the kernel computes with, dense [out_features, in_features] in ``dtype``."""
+        """The weight, dense [out_features, in_features] in ``dtype`` (the int4 path's decode kernel
+        computes with bf16-rounded scales and zeros: within 2^-8 of each weight's scale terms)."""
         if self.kernel == "gpu":
             return dequantize_packed(self.packed_weight).to(self.dtype)
-        if self.kernel == "int4":
-            eye = torch.eye(self.in_features, dtype=self.dtype)
-            return self._int4(eye).t()
+        self.build()
         return self.stored.t() if self.transposed else self.stored
 
     def _int4(self, x2: torch.Tensor) -> torch.Tensor:
@@ -194,6 +206,8 @@ class Linear(KernelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "gpu":
             return gpu_linear(x, self.packed_weight, self.bias)
+        if not self._built:
+            self.build()
         if x.dtype != self.dtype:  # the CPU's fp32 residual stream (memra/layers/norm.py) feeding a bf16 layer
             x = x.to(self.dtype)
         if self.kernel == "int4" and x.numel() <= INT4_MAX_ROWS * self.in_features:
@@ -220,14 +234,15 @@ def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) 
     paths return ``head(hidden).float()``.
     """
     y = head(hidden).float()
-    if head.kernel not in ("int4", "dense") or head.dtype == torch.float32 or len(head.qweights) != 1:
+    if (not isinstance(head, Linear) or head.kernel not in ("int4", "dense") or head.dtype == torch.float32
+            or len(head.qweights) != 1):
         return y
     q = head.qweights[0]
     flat = y.view(-1, head.out_features)
     h = hidden.reshape(-1, head.in_features).float()
     top = flat.topk(min(top_k, head.out_features), dim=-1).indices  # [R, k]
     rows = QTensor(q.name, q.qtype, (top.numel(), head.in_features), q.data[top.reshape(-1)]).dequantize()
-    exact = (rows.view(*top.shape, -1) * h[:, None, :]).sum(-1)
+    exact = torch.bmm(rows.view(*top.shape, -1), h[:, :, None])[..., 0]  # [R, k]
     if head.bias is not None:
         exact = exact + head.bias.float()[top]
     flat.scatter_(1, top, exact)

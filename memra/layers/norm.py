@@ -46,5 +46,8 @@ class RMSNorm(KernelLayer):
             if residual is None:
                 return self(x), x
             return fused_rms_norm(x, self.weight, self.eps, residual=residual)
+        if x.device.type != "cpu":  # e.g. tensor-parallel GPU shards (torch, not the fused kernel)
+            s = x if residual is None else x + residual
+            return rms_norm_torch(s, self.weight, self.eps), s
         s = x.float() if residual is None else residual + x  # residual: fp32
         return rms_norm_torch(s, self.weight, self.eps).to(x.dtype), s

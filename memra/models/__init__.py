@@ -37,6 +37,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     cls = MODEL_REGISTRY[config.arch]
     with torch.no_grad():
         model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
+        if device is None:
+            model.build_cpu()
     return model.eval(), ckpt
 
 
@@ -61,6 +63,8 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
         raise ConfigError(f"{ckpt.path}: architecture {config.arch!r} has no safetensors loader yet")
     with torch.no_grad():
         model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
+        if device is None:
+            model.build_cpu()
     return model.eval(), ckpt
 
 

@@ -192,6 +192,14 @@ class CausalLM(nn.Module):
             torch.cuda.empty_cache()  # the bf16 copies' memory
         return n
 
+    def build_cpu(self) -> CausalLM:
+        """Build every CPU linear's kernel forms now (memra/layers/linear.py ``Linear.build``; otherwise
+        done on first use) so that loading, not the first request, pays for them. Returns self."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.build()
+        return self
+
     def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> CausalLM:
         """Move the model to a CUDA ``device`` in place and return it.
 

@@ -107,7 +107,7 @@ def _shard_gated_mlp(mlp: GatedMLP, ctx: ParallelContext) -> GatedMLP:
     blocks = [(W[off:off + n], None) for off, n in mine] + [(W[i + off:i + off + n], None) for off, n in mine]
     Wd = _dense(mlp.down)
     down = RowParallel([Wd[:, off:off + n] for off, n in mine], ctx, mlp.down.bias)
-    return GatedMLP(ColumnParallel(blocks, ctx), down, mlp.act, mlp.limit)
+    return GatedMLP(ColumnParallel(blocks, ctx), down, mlp.act, mlp.limit, part_sizes=[n for _off, n in mine])
 
 
 def _shard_moe(moe: MoE, ctx: ParallelContext, hidden: int) -> ParallelMoE:
