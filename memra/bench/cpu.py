@@ -84,10 +84,14 @@ def decode_bytes(model, context: float) -> dict:
             w += mod.rows.numel() * mod.rows.element_size() // mod.vocab_size
         elif isinstance(mod, RMSNorm):
             w += mod.weight.numel() * 4
-    kv = sum(2 * lc.num_kv_heads * lc.head_dim * 4 * (context if lc.sliding_window is None
-                                                     else min(context, lc.sliding_window))
-             for lc in model.config.layers)
+    kv = _kv_bytes(model.config, context, 4)
     return {"weights": w, "kv": kv, "total": w + kv}
+
+
+def _kv_bytes(config, context: float, elem_bytes: int) -> float:
+    """Bytes of K and V a decode step reads at ``context`` tokens (a sliding layer: its window)."""
+    return sum(2 * lc.num_kv_heads * lc.head_dim * elem_bytes
+               * (context if lc.sliding_window is None else min(context, lc.sliding_window)) for lc in config.layers)
 
 
 def _llamacpp_bytes(path: str, context: float) -> dict:
@@ -105,8 +109,7 @@ def _llamacpp_bytes(path: str, context: float) -> dict:
             w += nb // cfg.vocab_size + (nb if cfg.tie_word_embeddings else 0)
         else:
             w += nb
-    kv = sum(2 * lc.num_kv_heads * lc.head_dim * 2 * (context if lc.sliding_window is None
-                                                     else min(context, lc.sliding_window)) for lc in cfg.layers)
+    kv = _kv_bytes(cfg, context, 2)
     return {"weights": w, "kv": kv, "total": w + kv}
 
 

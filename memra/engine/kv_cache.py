@@ -203,7 +203,7 @@ class PagedBatch:
                     idx[r, :len(keys[i])] = keys[i]
                     valid[r, :len(keys[i])] = True
                 rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
-                decode = (rows.to(dev), idx.to(dev), valid.to(dev))
+                decode = (rows.to(dev), idx.to(dev), None if bool(valid.all()) else valid.to(dev))
             prefill = []
             for i, c in enumerate(chunks):
                 if c.num_new == 1:
@@ -247,7 +247,7 @@ class PagedBatch:
         out = torch.empty_like(q)
         if decode is not None:
             rows, idx, valid = decode
-            out[rows] = decode_attention(q[rows], kc[idx], vc[idx], None if bool(valid.all()) else valid, scale)
+            out[rows] = decode_attention(q[rows], kc[idx], vc[idx], valid, scale)  # valid None: no padding
         for off, n, ks, mask in prefill:
             o = F.scaled_dot_product_attention(
                 q[off:off + n].transpose(0, 1)[None], kc[ks].transpose(0, 1)[None].to(q.dtype),

@@ -82,10 +82,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
         scale: softmax scale.
     Returns [B, H, D] in q's dtype.
 
-    Two batched matmuls and a softmax in fp32 whatever the cache dtype: at one query torch's
-    CPU SDPA costs 2-5x more (``memra bench cpu``, issue 19), and bf16 matmuls on these CPUs
-    are slower than fp32 ones at these sizes. Same math as :func:`attention` (softmax of
-    q k^T * scale over the visible keys, times v).
+    Batched matmuls (one per query head of a KV group, batched over sequences and KV heads) and a
+    softmax, in fp32 whatever the cache dtype: at one query torch's CPU SDPA costs 2-5x more
+    (``memra bench cpu``, issue 19), and bf16 matmuls on these CPUs are slower than fp32 ones at
+    these sizes. Same math as :func:`attention` (softmax of q k^T * scale over the visible keys,
+    times v).
     """
     B, H, D = q.shape
     L, KV = k.shape[1], k.shape[2]

@@ -24,6 +24,12 @@ def _int4pack_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def int4_digit_count(parts: list[QTensor]) -> int:
+    """4-bit digits per code of row-stacked ``parts`` in :func:`int4_digits`: 1 when every part's
+    codes have at most 4 bits, else 2 (formats outside ``AFFINE32_BITS`` count as 8 bits)."""
+    return 1 if max(AFFINE32_BITS.get(p.qtype, 8) for p in parts) <= 4 else 2
+
+
 def int4_digits(parts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Row-stacked ``parts`` of per-32 affine formats (memra/quant/dequant.py ``AFFINE32_BITS``) as
     4-bit digits for torch's group-32 int4 kernel, whose weight is ``(c - 8) * scale + zero``.
@@ -46,7 +52,7 @@ def int4_digits(parts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
         raise ValueError(f"int4_digits: {parts} are not 2-D parts of equal width in "
                          f"{', '.join(t.name for t in AFFINE32_BITS)}")
     k = parts[0].shape[1]
-    digits = 1 if max(AFFINE32_BITS[p.qtype] for p in parts) <= 4 else 2
+    digits = int4_digit_count(parts)
     blocks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(digits)]
     for p in parts:
         q, sc, off = affine32(p.data.reshape(-1), p.qtype)
@@ -112,7 +118,7 @@ class Linear(KernelLayer):
             self.packed_weight = pack_for_gpu(parts, dev, name=parts[0].name)
             self.qweights, self.kernel, self.kernels = [], "gpu", True
             return
-        self.digits = 1 if max(AFFINE32_BITS.get(p.qtype, 8) for p in parts) <= 4 else 2
+        self.digits = int4_digit_count(parts)
         int4 = (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
                 and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0
                 and self.digits * self.out_features % 16 == 0)  # the int4 packer's row granularity
@@ -129,7 +135,7 @@ class Linear(KernelLayer):
             return self
         parts = self.qweights
         if self.kernel == "int4":
-            codes, scale_zero, self.digits = int4_digits(parts)
+            codes, scale_zero, _ = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                                  persistent=False)
             self.register_buffer("scale_zero", scale_zero.to(self.dtype).contiguous(), persistent=False)
