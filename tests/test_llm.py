@@ -94,5 +94,15 @@ def test_errors(llm):
         llm.generate([{"prompt_ids": [1, 2]}])
     with pytest.raises(ValueError, match="must be integers, got '5'"):
         llm.generate([[1, "5"]])
+    with pytest.raises(ValueError, match="'prompt' must be text"):
+        llm.generate({"prompt": [1, 2]})
+    with pytest.raises(ValueError, match="'prompt_token_ids' must be a list"):
+        llm.generate({"prompt_token_ids": "abc"})
+    for bad in (None, 5, 2.5, b"abc"):
+        with pytest.raises(ValueError, match="prompts?: expected|a prompt is text"):
+            llm.generate(bad)
+    with pytest.raises(ValueError, match="a prompt is text"):
+        llm.generate([{"prompt_token_ids": 5}])
+    assert llm.generate([]) == []  # nothing to run, as vLLM
     with pytest.raises(ValueError, match="dtype"):
         LLM("smollm2-135m", dtype="int3")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,17 +95,24 @@ class LLM:
             if len(keys) != 1 or set(prompt) - keys:
                 raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids' "
                                  f"(ids), got keys {sorted(prompt)}")
-            prompt = prompt[keys.pop()]
+            key = keys.pop()
+            prompt = prompt[key]
+            if key == "prompt" and not isinstance(prompt, str):
+                raise ValueError(f"a dict prompt's 'prompt' must be text (str), got {type(prompt).__name__}; "
+                                 f"token ids go under 'prompt_token_ids'")
+            if key == "prompt_token_ids" and isinstance(prompt, (str, bytes)):
+                raise ValueError("a dict prompt's 'prompt_token_ids' must be a list of integer token ids, got "
+                                 "text; text goes under 'prompt'")
         if isinstance(prompt, str):
             return self.engine.encode_prompt(prompt)
+        if isinstance(prompt, bytes) or not isinstance(prompt, Iterable):
+            raise ValueError(f"a prompt is text (str), a list of integer token ids or a dict "
+                             f"({{'prompt': text}} / {{'prompt_token_ids': ids}}), got {type(prompt).__name__}")
         ids = []
         for t in prompt:
-            try:
-                if isinstance(t, (bool, float, str, bytes)):
-                    raise TypeError
-                ids.append(operator.index(t))  # int, numpy and torch integer scalars
-            except TypeError:
-                raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__})") from None
+            if not _is_token_id(t):
+                raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__})")
+            ids.append(operator.index(t))  # int, numpy and torch integer scalars
         return self.engine.encode_prompt(ids)
 
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
@@ -123,8 +130,15 @@ class LLM:
             ValueError / PromptTooLongError: bad prompt (nothing is run if any prompt is bad).
         """
         params = params or SamplingParams()
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, (str, dict, Iterable)):
+            raise ValueError(f"prompts: expected text (str), token ids, a dict prompt or a list of those, "
+                             f"got {type(prompts).__name__}")
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        else:
+            prompts = list(prompts)
+            if prompts and _is_token_id(prompts[0]):
+                prompts = [prompts]  # one prompt of token ids
         ids = [self.encode_prompt(p) for p in prompts]
         for x in ids:
             self.engine.validate(x, params)
@@ -220,3 +234,14 @@ def _accumulate(outs: list[CompletionOutput], d) -> None:
         o.logprobs.extend(d.logprobs)
     if d.finish_reason is not None:
         o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+
+
+def _is_token_id(t) -> bool:
+    """An integer token id: int, numpy or torch integer scalar (not bool, float or text)."""
+    if isinstance(t, (bool, float, str, bytes)):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True

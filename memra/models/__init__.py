@@ -38,7 +38,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
         if device is None:
-            model.build_cpu()
+            model.build_cpu(progress)
     return model.eval(), ckpt
 
 
@@ -64,7 +64,7 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
         if device is None:
-            model.build_cpu()
+            model.build_cpu(progress)
     return model.eval(), ckpt
 
 

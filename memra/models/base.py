@@ -192,12 +192,15 @@ class CausalLM(nn.Module):
             torch.cuda.empty_cache()  # the bf16 copies' memory
         return n
 
-    def build_cpu(self) -> CausalLM:
+    def build_cpu(self, progress: bool = False) -> CausalLM:
         """Build every CPU linear's kernel forms now (memra/layers/linear.py ``Linear.build``; otherwise
-        done on first use) so that loading, not the first request, pays for them. Returns self."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.build()
+        done on first use) so that loading, not the first request, pays for them. ``progress``: a
+        tqdm bar over the linear layers on stderr. Returns self."""
+        from tqdm import tqdm
+
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in tqdm(linears, desc="building CPU kernels", unit="linear", disable=not progress):
+            m.build()
         return self
 
     def to_gpu(self, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> CausalLM:
