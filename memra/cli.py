@@ -315,12 +315,16 @@ def cmd_convert_synth(a: argparse.Namespace) -> int:
     from .io.synthetic import describe, load_geometry, write_synthetic
 
     g = load_geometry(a.geometry)
+    cut = {k: v for k, v in (("layers", a.layers), ("dense_layers", a.dense_layers), ("mtp_layers", a.mtp_layers))
+           if v is not None}
+    if cut:
+        g = load_geometry(g | cut)
     if a.vocab_from is not None:
         from .hub import resolve_model
         from .io.synthetic import with_vocabulary
 
         g = with_vocabulary(g, resolve_model(a.vocab_from))
-    out = write_synthetic(g, a.format, a.seed, a.out)
+    out = write_synthetic(g, a.format, a.seed, a.out, expert_codes=a.expert_codes)
     print(f"wrote {out} ({a.format}, seed {a.seed}): {describe(g)}")
     return 0
 
@@ -425,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="take the vocabulary (tokenizer, size, bos/eos) from this GGUF model or model key, "
                          "e.g. smollm2-135m, whose pre-tokenizer llama.cpp's convert_hf_to_gguf.py recognises; "
                          "default: a tiny synthetic byte-level BPE vocabulary")
+    cs.add_argument("--layers", type=int, default=None, metavar="N",
+                    help="cut the geometry to N decoder layers (e.g. --geometry full --layers 12 --dense-layers 3)")
+    cs.add_argument("--dense-layers", type=int, default=None, metavar="N", help="leading dense layers of the cut")
+    cs.add_argument("--mtp-layers", type=int, default=None, metavar="N", help="MTP layers of the cut")
+    cs.add_argument("--expert-codes", default="quantized", choices=["quantized", "random"],
+                    help="routed experts: bf16 draws quantized to the format, or (gguf-nvfp4) NVFP4 codes and "
+                         "scales drawn directly, for full-size files (the quantizer takes minutes per GB)")
     cs.set_defaults(func=cmd_convert_synth)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -455,6 +466,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decode_args(bde)
     bde.set_defaults(func=run_decode)
+    bfi = bsub.add_parser("file", help="one GGUF file on one GPU, memra and llama.cpp side by side: load (GB/s "
+                          "against the page-cache read), TTFT first vs second request, prefill and batch-1 decode",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .bench.file import add_file_args
+    from .bench.file import run_from_args as run_file
+
+    add_file_args(bfi)
+    bfi.set_defaults(func=run_file)
     bpf = bsub.add_parser("prefill", help="the flagship's prefill chunk on one GPU (synthetic weights in GPU memory): "
                           "tok/s vs the FLOP/byte roofline, per-phase split, TTFT through the engine",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -155,3 +155,31 @@ def test_generate_prints_the_finish_reason_and_reads_stdin(tmp_path, capsys, mon
     assert main(["generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "8", "--temperature", "0",
                  "--ignore-eos", "--stop", text[1]]) == 0
     assert f"[finished: stop, stop string {text[1]!r}" in capsys.readouterr().err
+
+
+def test_convert_synth_cut_and_bench_file_smoke(tmp_path):
+    """`memra convert synth --layers/--dense-layers/--mtp-layers --expert-codes random` writes the cut
+    it names; `memra bench file --device cpu` (the bench's own smoke test: the GPU run is the real
+    one) loads it in a child process and reports positive times and a TTFT per request."""
+    from memra.io.gguf import read_gguf
+
+    out = tmp_path / "cut.gguf"
+    r = subprocess.run([sys.executable, "-m", "memra", "convert", "synth", "--geometry", "tiny", "--layers", "4",
+                        "--dense-layers", "2", "--mtp-layers", "0", "--format", "gguf-nvfp4", "--expert-codes",
+                        "random", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ck = read_gguf(out)
+    assert ck.metadata["step35.block_count"] == 4 and ck.metadata["step35.leading_dense_block_count"] == 2
+    assert ck.infos["blk.3.ffn_gate_exps.weight"].qtype.name == "NVFP4" and "blk.1.ffn_gate_exps.weight" not in ck
+    bad = subprocess.run([sys.executable, "-m", "memra", "convert", "synth", "--format", "gguf-q8_0", "--expert-codes",
+                          "random", "--out", str(tmp_path / "x.gguf")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "random" in bad.stderr
+    js = tmp_path / "f.json"
+    r = subprocess.run([sys.executable, "-m", "memra", "bench", "file", str(out), "--device", "cpu", "--prompt", "16",
+                        "--gen", "4", "--json-out", str(js)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(js.read_text())
+    m = res["memra"]
+    assert len(m["ttft_s"]) == 3 and all(t > 0 for t in m["ttft_s"]) and m["decode_tok_s"] > 0
+    assert 0 < m["weights_s"] < m["ready_s"] and res["ceilings"]["file_bytes"] == out.stat().st_size
+    assert "TTFT first / second request" in r.stdout

@@ -377,22 +377,43 @@ def test_fused_kv_write_matches_reference():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in for the GPU tests")
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_load_with_device_moves_layer_by_layer(tmp_path, arch):
-    """load_model(..., device=) builds each layer and moves it at once; the result equals a model
-    built on the CPU and moved afterwards (same packed weights, same logits)."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "step35"])
+def test_load_with_device_moves_layer_by_layer(tmp_path, arch, monkeypatch):
+    """load_model(..., device=) reads each tensor through the staging reader, builds each layer and
+    packs it where its bytes are; the result equals a model built on the CPU and moved afterwards
+    (same packed weights and expert banks, same logits). A model loaded for a device never builds
+    the CPU path's dense expert copies."""
     from tiny_models import tiny_gguf
 
+    from memra.io.synthetic import write_synthetic
+    from memra.layers.moe import RoutedExperts
     from memra.models import load_model
 
-    path = tiny_gguf(tmp_path / "m.gguf", arch, layers=2)
+    if arch == "step35":
+        path = write_synthetic("tiny", "gguf-nvfp4", 0, tmp_path / "m.gguf", expert_codes="random")
+    else:
+        path = tiny_gguf(tmp_path / "m.gguf", arch, layers=2)
+    built = []
+    build = RoutedExperts.build
+    monkeypatch.setattr(RoutedExperts, "build", lambda self: built.append(self) or build(self))
     a, _ = load_model(path, torch.float32, device="cpu")
+    assert not built  # the dense expert copies are the CPU path's, never made for a device load
     b, _ = load_model(path, torch.float32)
+    assert len(built) == sum(isinstance(m, RoutedExperts) for m in b.modules())  # a CPU load builds them
     b.to_gpu("cpu", torch.float32)
     assert a.lm_head.kernel == "gpu" and a.layers[0].attn.kernels and not hasattr(a.lm_head, "stored")
+    n = 0
     for pa, pb in zip(a.modules(), b.modules()):
         if getattr(pa, "kernel", None) == "gpu":
             assert torch.equal(pa.packed_weight.data, pb.packed_weight.data)
+            n += 1
+        if isinstance(pa, RoutedExperts):
+            assert pa.kernels and getattr(pa, "w_gate_up", None) is None
+            for bank in ("gate_up_bank", "down_bank"):
+                assert torch.equal(getattr(pa, bank).data, getattr(pb, bank).data)
+                assert torch.equal(getattr(pa, bank).scale, getattr(pb, bank).scale)
+            n += 1
+    assert n >= 3 and (arch != "step35" or built)
     ids = [1, 5, 9, 3]
     assert torch.equal(_paged_run(a, ids, 3, "cpu"), _paged_run(b, ids, 3, "cpu"))
 

@@ -21,6 +21,7 @@ import torch
 
 from ..quant.tensor import QTensor
 from ..quant.types import QTYPE_INFO, QType, UnsupportedQTypeError, qtype_from_int
+from .staging import DeviceReader
 
 __all__ = ["CheckpointError", "TensorInfo", "GGUFCheckpoint", "read_gguf", "read_metadata"]
 
@@ -65,6 +66,18 @@ class GGUFCheckpoint:
         self.metadata = metadata
         self.infos = infos
         self._mm = mm
+        self._readers: dict[torch.device, DeviceReader] = {}
+
+    def release_staging(self) -> None:
+        """Close the staging readers of :meth:`tensor` ``(device=...)`` (their pinned buffers and
+        file descriptors); later calls open new ones. Loaders call this when they finish."""
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
+
+    def bytes_to_device(self) -> int:
+        """Bytes read so far through :meth:`tensor` ``(device=...)`` (all devices)."""
+        return sum(r.bytes_read for r in self._readers.values())
 
     @property
     def architecture(self) -> str:
@@ -76,13 +89,16 @@ class GGUFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None, *, why: str = "") -> QTensor:
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, *, why: str = "",
+               device: torch.device | str | None = None) -> QTensor:
         """Load tensor ``name`` as a :class:`QTensor` (a private copy of its bytes).
 
         Args:
             name: GGUF tensor name, e.g. ``"blk.0.attn_q.weight"``.
             shape: the torch-order shape the model expects; checked if given.
             why: where the expected shape comes from, quoted in the error.
+            device: where the bytes go (default: host memory). A CUDA device gets them through
+                pinned staging buffers (:class:`memra.io.staging.DeviceReader`), never a host copy.
 
         Raises:
             CheckpointError: the tensor is missing or its shape differs from ``shape``.
@@ -95,7 +111,16 @@ class GGUFCheckpoint:
                 f"{self.path}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}"
                 + (f" from the config ({why})" if why else "")
             )
-        raw = torch.from_numpy(np.array(self._mm[info.offset : info.offset + info.nbytes]))
+        if device is None:
+            raw = torch.from_numpy(np.array(self._mm[info.offset : info.offset + info.nbytes]))
+        else:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            reader = self._readers.get(device)
+            if reader is None:
+                reader = self._readers[device] = DeviceReader(self.path, device)
+            raw = reader.read(info.offset, info.nbytes)
         if info.qtype == QType.F32:
             data = raw.view(torch.float32).reshape(info.shape)
         elif info.qtype == QType.F16:

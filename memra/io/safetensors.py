@@ -33,6 +33,8 @@ __all__ = ["SafetensorsCheckpoint", "STInfo", "read_hf_dir", "INDEX_NAME"]
 INDEX_NAME = "model.safetensors.index.json"
 _PLAIN = {"BF16": QType.BF16, "F16": QType.F16, "F32": QType.F32}
 _FP8 = "F8_E4M3"
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,16 @@ class SafetensorsCheckpoint:
             return FP8BlockTensor(name, info.shape, self._raw(name), self._raw(sname), self.fp8_block)
         raise UnsupportedQTypeError(f"{info.file}: tensor {name!r} has dtype {info.dtype}; supported: "
                                     f"{', '.join(list(_PLAIN) + [_FP8])} (F8_E4M3 with block scales)")
+
+    def total_bytes(self) -> int:
+        """Bytes of every tensor (scales included), from the headers."""
+        n = 0
+        for i in self.infos.values():
+            p = _ST_BYTES.get(i.dtype, 0)
+            for d in i.shape:
+                p *= d
+            n += p
+        return n
 
     def parameter_count(self) -> int:
         n = 0

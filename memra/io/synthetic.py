@@ -386,11 +386,15 @@ def gguf_tensor(name: str, t: torch.Tensor, fmt: str):
     return gname, t.to(torch.bfloat16)
 
 
-def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path) -> Path:
+def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path,
+                    expert_codes: str = "quantized") -> Path:
     """Write a random Step-3.5 checkpoint of ``geometry`` in ``fmt`` (see :data:`FORMATS`) to ``out``.
 
     HF formats: ``out`` is a directory (created), one ``model.safetensors`` (+ index if over
     2 GiB: shards of about 2 GiB). GGUF formats: ``out`` is the file.
+    ``expert_codes``: ``"quantized"`` (routed experts are the bf16 draws quantized to ``fmt``)
+    or, for ``gguf-nvfp4`` only, ``"random"``: codes and scales drawn directly
+    (:func:`random_nvfp4`; seconds instead of the quantizer's minutes per GB at full size).
 
     Returns:
         ``Path(out)``.
@@ -400,15 +404,25 @@ def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path) 
     """
     if fmt not in FORMATS:
         raise SynthError(f"unknown format {fmt!r} (supported: {', '.join(FORMATS)})")
+    if expert_codes not in ("quantized", "random") or (expert_codes == "random" and fmt != "gguf-nvfp4"):
+        raise SynthError(f"expert_codes {expert_codes!r}: 'quantized', or 'random' with gguf-nvfp4 (got {fmt})")
     g = load_geometry(geometry)
     _check_blocks(g, fmt)
     out = Path(out)
     if fmt.startswith("hf-"):
         return _write_hf(g, fmt, seed, out)
+    from ..models.step3p5 import gguf_tensor_name
     from .gguf_writer import write_gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = dict(gguf_tensor(name, t, fmt) for name, t in synth_tensors(g, seed))
+    tensors = {}
+    for name, shape in tensor_shapes(g).items():
+        if expert_codes == "random" and _is_routed(name):
+            gname = gguf_tensor_name(name)
+            tensors[gname] = random_nvfp4(gname, shape, seed)
+        else:
+            gname, t = gguf_tensor(name, synth_tensor(name, shape, seed), fmt)
+            tensors[gname] = t
     tensors["rope_freqs.weight"] = rope_freq_factors(g)
     return write_gguf(out, "step35", _gguf_metadata(g), tensors)
 

@@ -52,7 +52,8 @@ class RoutedExperts(KernelLayer):
             packed tensor [E, I, D] (QTensor or FP8BlockTensor); down likewise [E, D, I].
         limit: SwiGLU clamp of this layer's routed experts (None: none).
         dtype: compute dtype; the CPU path keeps dense copies ``w_gate_up`` [E, 2I, D] and
-            ``w_down`` [E, D, I] next to the packed ``qweights``.
+            ``w_down`` [E, D, I] next to the packed ``qweights``, built on first use or by
+            :meth:`build`.
 
     forward(x [T, D], index int64 [T, k], weight fp32 [T, k], add [T, D] or None) -> [T, D]
     (+ ``add``). CPU: ``tokens_per_expert`` (int64 [E]) holds the counts of the last call; the
@@ -69,13 +70,29 @@ class RoutedExperts(KernelLayer):
             self.to_gpu(None)  # weights already in GPU memory become expert banks in place, never dense
             return
 
-        def dense(w) -> torch.Tensor:
-            return torch.stack([p.dequantize(dtype) for p in w]) if isinstance(w, list) else w.dequantize(dtype)
-
-        self.register_buffer("w_gate_up", torch.cat([dense(gate), dense(up)], dim=1), persistent=False)
-        self.register_buffer("w_down", dense(down), persistent=False)
-        self.num_experts = self.w_down.shape[0]
+        self.dtype = dtype
+        self.num_experts = len(down) if isinstance(down, list) else down.shape[0]
         self.tokens_per_expert: torch.Tensor | None = None
+        # The CPU path's dense copies, built by build() (CPU loads call it) or on first CPU use; a
+        # model loaded for a GPU never builds them (dequantizing 288 NVFP4 experts on the host was
+        # most of a GPU load's time).
+        self.register_buffer("w_gate_up", None, persistent=False)
+        self.register_buffer("w_down", None, persistent=False)
+
+    def build(self) -> RoutedExperts:
+        """Build the CPU path's dense copies ``w_gate_up`` [E, 2I, D] and ``w_down`` [E, D, I] in the
+        compute dtype from the packed ``qweights`` now (otherwise done on first CPU use; never on
+        the kernel path). Returns self."""
+        if self.kernels or self.w_gate_up is not None:
+            return self
+
+        def dense(w) -> torch.Tensor:
+            return torch.stack([p.dequantize(self.dtype) for p in w]) if isinstance(w, list) else w.dequantize(self.dtype)
+
+        gate, up, down = self.qweights
+        self.w_gate_up = torch.cat([dense(gate), dense(up)], dim=1)
+        self.w_down = dense(down)
+        return self
 
     def to_gpu(self, device: torch.device | str | None, dtype: torch.dtype = torch.bfloat16) -> None:
         """Move the experts to a CUDA ``device`` (None: where they are) in place, kept in their
@@ -127,6 +144,7 @@ class RoutedExperts(KernelLayer):
                 cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k)
             return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
                                                add=add, config=cfg)
+        self.build()
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
         self.tokens_per_expert = counts

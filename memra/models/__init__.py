@@ -35,10 +35,13 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     ckpt = ckpt or read_gguf(path)
     config = ModelConfig.from_gguf(ckpt.metadata, set(ckpt.infos), where=str(ckpt.path))
     cls = MODEL_REGISTRY[config.arch]
-    with torch.no_grad():
-        model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
-        if device is None:
-            model.build_cpu(progress)
+    try:
+        with torch.no_grad():
+            model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
+            if device is None:
+                model.build_cpu(progress)
+    finally:
+        ckpt.release_staging()
     return model.eval(), ckpt
 
 

@@ -43,11 +43,20 @@ class GGUFWeights:
     config value the expected shape came from.
     """
 
-    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype):
-        self.ckpt, self.config, self.dtype = ckpt, config, dtype
+    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
+        self.loaded_bytes = 0
 
     def q(self, name: str, shape: tuple[int, ...], why: str) -> QTensor:
-        return self.ckpt.tensor(name, shape, why=why)
+        """The tensor in its stored format, its bytes on ``device`` (None: host memory)."""
+        t = self.ckpt.tensor(name, shape, why=why, device=self.device)
+        self.loaded_bytes += t.nbytes
+        return t
+
+    def total_bytes(self) -> int:
+        """Bytes of every tensor in the checkpoint (the load's total, for progress)."""
+        return self.ckpt.total_bytes()
 
     def vector(self, name: str, n: int, why: str) -> torch.Tensor:
         """A 1-D fp32 tensor of length ``n`` (norm weights, biases)."""
@@ -76,13 +85,20 @@ class HFWeights:
     def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype):
         self.ckpt, self.config, self.dtype = ckpt, config, dtype
         self.used: set[str] = set()
+        self.loaded_bytes = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.ckpt
 
+    def total_bytes(self) -> int:
+        """Bytes of every tensor in the checkpoint (0 if it cannot say), for progress."""
+        total = getattr(self.ckpt, "total_bytes", None)
+        return total() if total is not None else 0
+
     def q(self, name: str, shape: tuple[int, ...], why: str) -> QTensor | FP8BlockTensor:
         """The tensor in its stored format (QTensor, or FP8BlockTensor with its scales)."""
         t = self.ckpt.tensor(name, shape, why=why)
+        self.loaded_bytes += t.nbytes
         self.used.add(name)
         if isinstance(t, FP8BlockTensor):
             self.used.add(name + "_scale_inv")
@@ -111,6 +127,25 @@ class HFWeights:
                 f"{self.ckpt.path}: unexpected tensors for {self.config.arch} with {self.config.num_layers} layers"
                 f" and {len(self.config.mtp_layers)} MTP layers (the config does not account for them): "
                 f"{ex[:5]}{' ...' if len(ex) > 5 else ''}")
+
+
+class LoadProgress:
+    """A tqdm bar over a load's bytes on stderr (shows GB/s), advanced after each layer from the
+    weights source's ``loaded_bytes`` out of its ``total_bytes()``."""
+
+    def __init__(self, w, enabled: bool):
+        from tqdm import tqdm
+
+        self.w = w
+        self.bar = tqdm(total=w.total_bytes() or None, desc="loading weights", unit="B", unit_scale=True,
+                        unit_divisor=1000, disable=not enabled)
+
+    def step(self) -> None:
+        self.bar.update(self.w.loaded_bytes - self.bar.n)
+
+    def close(self) -> None:
+        self.step()
+        self.bar.close()
 
 
 class CausalLM(nn.Module):
@@ -193,13 +228,15 @@ class CausalLM(nn.Module):
         return n
 
     def build_cpu(self, progress: bool = False) -> CausalLM:
-        """Build every CPU linear's kernel forms now (memra/layers/linear.py ``Linear.build``; otherwise
-        done on first use) so that loading, not the first request, pays for them. ``progress``: a
+        """Build every CPU linear's kernel forms (memra/layers/linear.py ``Linear.build``) and the routed
+        experts' dense copies (memra/layers/moe.py ``RoutedExperts.build``) now (otherwise done on first use) so that loading, not the first request, pays for them. ``progress``: a
         tqdm bar over the linear layers on stderr. Returns self."""
         from tqdm import tqdm
 
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in tqdm(linears, desc="building CPU kernels", unit="linear", disable=not progress):
+        from ..layers.moe import RoutedExperts
+
+        parts = [m for m in self.modules() if isinstance(m, (Linear, RoutedExperts))]
+        for m in tqdm(parts, desc="building CPU kernels", unit="layer", disable=not progress):
             m.build()
         return self
 
@@ -227,24 +264,27 @@ class CausalLM(nn.Module):
                   progress: bool = False, device: torch.device | str | None = None) -> CausalLM:
         """Build the model from a GGUF checkpoint; shapes are checked against ``config``.
 
-        ``progress`` shows a tqdm bar over the layers on stderr. ``device`` (a CUDA device):
-        each layer is moved there as soon as it is built (memra/layers/device.py), then the
-        model is finished with :meth:`to_gpu`.
+        ``progress`` shows a tqdm bar over the bytes on stderr. ``device`` (a CUDA device): the
+        tensors' bytes are read straight into its memory (:class:`memra.io.staging.DeviceReader`)
+        and each layer is packed there as soon as it is built (memra/layers/device.py), then
+        the model is finished with :meth:`to_gpu`.
 
         Raises:
             CheckpointError: missing tensors or shapes that contradict the config.
         """
         config = cls.adjust_config(ckpt, config)
-        w = GGUFWeights(ckpt, config, dtype)
+        w = GGUFWeights(ckpt, config, dtype, device)
         D, V = config.hidden_size, config.vocab_size
         emb_q = w.q("token_embd.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
         embed = Embedding(emb_q, dtype, config.embedding_scale)
-        from tqdm import tqdm
-
-        layers = [on_device(cls.build_layer(w, i, config.layers[i]), device, dtype)
-                  for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=not progress)]
+        bar = LoadProgress(w, progress)
+        layers = []
+        for i in range(config.num_layers):
+            layers.append(on_device(cls.build_layer(w, i, config.layers[i]), device, dtype))
+            bar.step()
         norm = w.norm("output_norm", D, f"hidden_size={D}")
         head_q = emb_q if config.tie_word_embeddings else w.q("output.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
+        bar.close()
         extra = set(ckpt.infos) - w_used(ckpt, config, cls)
         if extra:
             raise CheckpointError(f"{ckpt.path}: unexpected tensors for {config.arch} with {config.num_layers} layers: "

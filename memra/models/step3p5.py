@@ -35,7 +35,7 @@ from ..layers.linear import Embedding, Linear, head_logits
 from ..layers.moe import MoE, RoutedExperts
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
-from .base import CausalLM, HFWeights, on_device, register_model
+from .base import CausalLM, HFWeights, LoadProgress, on_device, register_model
 
 __all__ = ["Step35ForCausalLM", "Step35Layer", "MTPLayer", "swiglu", "gguf_tensor_name", "GGUFStep35Weights"]
 
@@ -200,7 +200,7 @@ class Step35ForCausalLM(CausalLM):
                 the config does not account for.
         """
         config = cls.adjust_config(ckpt, config)
-        w = GGUFStep35Weights(ckpt, config, dtype)
+        w = GGUFStep35Weights(ckpt, config, dtype, device)
         if "rope_freqs.weight" in ckpt:
             w.used.add("rope_freqs.weight")
         return cls._build(w, progress, device)
@@ -242,19 +242,22 @@ class Step35ForCausalLM(CausalLM):
         """The model from a weights source that speaks HF tensor names (HF directly, GGUF mapped);
         with ``device`` each layer is moved to that GPU as soon as it is built (as
         :meth:`CausalLM.from_gguf`)."""
-        from tqdm import tqdm
-
         config, dtype = w.config, w.dtype
         D, V, n = config.hidden_size, config.vocab_size, config.num_layers
         why = f"vocab_size={V}, hidden_size={D}"
+        bar = LoadProgress(w, progress)
         emb_q = w.q("model.embed_tokens.weight", (V, D), why)
         embed = Embedding(emb_q, dtype)
-        layers = [on_device(_load_layer(w, i, i, lc), device, dtype)
-                  for i, lc in tqdm(list(enumerate(config.layers)), desc="loading weights", unit="layer",
-                                    disable=not progress)]
-        mtp = [on_device(_load_mtp_layer(w, n + j, j, lc), device, dtype) for j, lc in enumerate(config.mtp_layers)]
+        layers, mtp = [], []
+        for i, lc in enumerate(config.layers):
+            layers.append(on_device(_load_layer(w, i, i, lc), device, dtype))
+            bar.step()
+        for j, lc in enumerate(config.mtp_layers):
+            mtp.append(on_device(_load_mtp_layer(w, n + j, j, lc), device, dtype))
+            bar.step()
         norm = w.norm("model.norm", D, f"hidden_size={D}")
         head_q = emb_q if config.tie_word_embeddings else w.q("lm_head.weight", (V, D), why)
+        bar.close()
         w.check_all_used()
         model = cls(config, embed, layers, norm, Linear(head_q, None, dtype), mtp).eval()
         return model if device is None else model.to_gpu(device, dtype)
@@ -379,9 +382,14 @@ class GGUFStep35Weights(HFWeights):
     Lets the Step-3.5 layer loaders serve both formats with one code path.
     """
 
-    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype):
-        self.ckpt, self.config, self.dtype = ckpt, config, dtype
+    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
         self.used: set[str] = set()
+        self.loaded_bytes = 0
+
+    def total_bytes(self) -> int:
+        return self.ckpt.total_bytes()
 
     def __contains__(self, name: str) -> bool:
         g = gguf_tensor_name(name)
@@ -391,7 +399,8 @@ class GGUFStep35Weights(HFWeights):
         g = gguf_tensor_name(name)
         if g is None:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name!r} has no step35 GGUF name")
-        t = self.ckpt.tensor(g, shape, why=why)
+        t = self.ckpt.tensor(g, shape, why=why, device=self.device)
+        self.loaded_bytes += t.nbytes
         self.used.add(g)
         return t
 

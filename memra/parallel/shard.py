@@ -114,6 +114,7 @@ def _shard_moe(moe: MoE, ctx: ParallelContext, hidden: int) -> ParallelMoE:
     ex = moe.experts
     if ex.kernels:
         raise ValueError("shard_model: the routed experts are on their GPU path; shard the CPU model first")
+    ex.build()
     gu, dn = ex.w_gate_up, ex.w_down  # [E, 2I, D], [E, D, I]
     e, i2, _ = gu.shape
     i = i2 // 2

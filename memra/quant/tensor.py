@@ -96,7 +96,7 @@ class QTensor:
         """
         if len(self.shape) != 2:
             raise ValueError(f"tensor {self.name!r}: permute_rows needs 2-D, got shape {self.shape}")
-        return QTensor(self.name, self.qtype, self.shape, self.data[index].contiguous())
+        return QTensor(self.name, self.qtype, self.shape, self.data[index.to(self.data.device)].contiguous())
 
     def __repr__(self) -> str:
         return f"QTensor({self.name!r}, {self.qtype.name}, shape={self.shape})"

@@ -1,0 +1,263 @@
+"""``memra bench file``: one GGUF file on one GPU, memra and llama.cpp side by side (issue 14 item 5).
+
+What it measures, all in one run on the same file and GPU:
+
+- ceilings of the load: the file read from the page cache into pinned host buffers by one
+  thread (GB/s; the file is read once before, to be in the page cache), and pinned
+  host-to-device copies (GB/s); the device-to-device copy bandwidth (the decode roofline's
+  denominator);
+- memra, in a fresh process (``python -m memra.bench.file --child``, a new Triton cache unless
+  ``--warm-triton-cache``): process start to the engine ready (weights read and packed, KV cache
+  sized, CUDA graphs captured), the weights' load alone (GB/s against the read ceiling), TTFT of
+  a first and a second ``--prompt``-token request (random ids, greedy, one output token), then
+  batch-1 decode: ``--gen`` tokens after an 8-token prompt (TPOT from the difference of a
+  ``gen + 1``-token and a 1-token request) against the step's byte floor
+  (memra/roofline.py ``step35_bytes`` "decode" + the KV cache read, at the copy bandwidth);
+- llama.cpp (``--llama-bench EXE``, built for CUDA): ``llama-bench -ngl 99 -fa 1 -p P -n G``
+  (its prefill and decode tok/s) and the wall time of a ``-p 0 -n 1 -r 1`` run (load, one
+  warm-up and one token: the closest it has to "load").
+
+Output: a table of both engines and the ratios memra / llama.cpp, and ``--json-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_file_args", "run_from_args", "read_ceilings"]
+
+
+def read_ceilings(path: str, chunk: int = 64 << 20, cuda: bool = True) -> dict:
+    """Page-cache read GB/s of ``path`` into a pinned buffer (one thread, second pass) and
+    pinned host-to-device copy GB/s (1 GiB, median of 5; ``cuda`` False: the read alone, into
+    ordinary memory)."""
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+    mv = memoryview(buf.numpy())
+    try:
+        times = []
+        for _ in range(2):  # the first pass brings the file into the page cache
+            t0 = time.perf_counter()
+            off = 0
+            while off < size:
+                n = os.preadv(fd, [mv[:min(chunk, size - off)]], off)
+                if n <= 0:
+                    break
+                off += n
+            times.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    out = {"file_bytes": size, "read_cold_s": times[0], "read_gbps": size / times[1] / 1e9}
+    if not cuda:
+        return out
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    h2d = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d.append(time.perf_counter() - t0)
+    h2d.sort()
+    del src, dst
+    return out | {"h2d_gbps": (1 << 30) / h2d[len(h2d) // 2] / 1e9}
+
+
+def _child(a: argparse.Namespace) -> None:
+    """The memra side, in its own process: prints one JSON line."""
+    t_start = a.spawned
+    import memra.engine.engine as eng
+    from memra import LLM, SamplingParams
+
+    t_import = time.time()
+    loads = []
+    cuda = torch.device(a.device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    orig = eng._load
+
+    def timed_load(*args, **kw):
+        t0 = time.perf_counter()
+        out = orig(*args, **kw)
+        sync()
+        loads.append(time.perf_counter() - t0)
+        return out
+
+    eng._load = timed_load
+    llm = LLM(a.path, device=a.device, max_model_len=a.prompt + a.gen + 64)
+    t_ready = time.time()
+    cfg = llm.config
+    gen = torch.Generator().manual_seed(0)
+    V = cfg.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, V - 10, (n,), generator=gen).tolist()
+
+    def run(prompt, n) -> float:
+        p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        sync()
+        t0 = time.perf_counter()
+        llm.generate([prompt], p)
+        sync()
+        return time.perf_counter() - t0
+
+    ttft = [run(ids(a.prompt), 1) for _ in range(3)]
+    short = ids(8)
+    one = min(run(short, 1) for _ in range(3))
+    full = min(run(short, a.gen + 1) for _ in range(a.reps))
+    tpot = (full - one) / a.gen
+    from memra.roofline import step35_bytes
+
+    floor = None
+    if cfg.arch == "step35":
+        acct = step35_bytes(cfg, context=8 + a.gen // 2)
+        infos = getattr(llm.engine.checkpoint, "infos", {})
+        kinds = {i.qtype.name for n, i in infos.items() if "_exps." in n}
+        fmt = {"NVFP4": "nvfp4", "BF16": "bf16"}.get(kinds.pop()) if len(kinds) == 1 else None
+        if fmt is not None:  # (the roofline counts every other weight as bf16)
+            floor = acct["decode"][fmt]["total"] + acct["kv_cache"]
+    print(json.dumps({
+        "import_s": t_import - t_start, "weights_s": loads[0] if loads else None,
+        "ready_s": t_ready - t_start, "engine_init_s": llm.engine.load_seconds,
+        "memory": llm.engine.memory_report, "ttft_s": ttft, "tpot_s": tpot, "decode_tok_s": 1.0 / tpot,
+        "decode_floor_bytes": floor, "graph_steps": llm.engine.runner.num_graph_steps,
+    }), flush=True)
+
+
+def _llama_bench(exe: str, path: str, prompt: int, gen: int, reps: int) -> dict:
+    row: dict = {"commands": []}
+    cmd = [exe, "-m", path, "-ngl", "99", "-fa", "1", "-p", str(prompt), "-n", str(gen), "-r", str(reps),
+           "-o", "json"]
+    row["commands"].append(" ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        row["error"] = r.stderr[-2000:]
+        return row
+    for t in json.loads(r.stdout):
+        if t.get("n_prompt") and not t.get("n_gen"):
+            row["prefill_tok_s"] = t["avg_ts"]
+        elif t.get("n_gen") and not t.get("n_prompt"):
+            row["decode_tok_s"] = t["avg_ts"]
+    cmd = [exe, "-m", path, "-ngl", "99", "-fa", "1", "-p", "0", "-n", "1", "-r", "1", "-o", "json"]
+    row["commands"].append(" ".join(cmd))
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    row["load_wall_s"] = time.time() - t0
+    if r.returncode != 0:
+        row["error"] = r.stderr[-2000:]
+    return row
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    """Run the bench (``memra bench file``); returns the exit status."""
+    from .common import commit, copy_bandwidth, write_json
+
+    cuda = torch.device(a.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("memra bench file: no CUDA GPU here (--device cpu runs the memra side on the CPU, a smoke test)",
+              file=sys.stderr)
+        return 2
+    path = str(Path(a.path).resolve())
+    res: dict = {"bench": "file", "commit": commit(), "file": path, "device": a.device,
+                 "gpu": torch.cuda.get_device_name() if cuda else None, "prompt": a.prompt, "gen": a.gen}
+    res["ceilings"] = read_ceilings(path, cuda=cuda)
+    res["ceilings"]["copy_tbps"] = copy_bandwidth() / 1e12 if cuda else None
+    env = dict(os.environ)
+    tmp = None
+    if not a.warm_triton_cache:
+        tmp = tempfile.mkdtemp(prefix="memra-triton-")
+        env["TRITON_CACHE_DIR"] = tmp
+    cmd = [sys.executable, "-m", "memra.bench.file", "--child", path, "--device", a.device, "--prompt", str(a.prompt), "--gen",
+           str(a.gen), "--reps", str(a.reps), "--spawned", repr(time.time())]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
+        return 1
+    m = json.loads(lines[-1])
+    res["memra"] = m
+    if a.llama_bench:
+        res["llama.cpp"] = _llama_bench(a.llama_bench, path, a.prompt, a.gen, a.reps)
+    c = res["ceilings"]
+    size = c["file_bytes"]
+    copy_bps = c["copy_tbps"] * 1e12 if cuda else None
+    print(f"file {path}: {size / 1e9:.2f} GB; read from the page cache {c['read_gbps']:.2f} GB/s (first pass "
+          f"{size / c['read_cold_s'] / 1e9:.2f} GB/s)"
+          + (f", pinned host-to-device {c['h2d_gbps']:.1f} GB/s, device copy {c['copy_tbps']:.2f} TB/s" if cuda else ""))
+    print(f"memra: {m['memory']}")
+    print(f"{'engine':<10} {'ready s':>8} {'weights s':>10} {'GB/s':>6} {'% read':>7} {'TTFT1 ms':>9} "
+          f"{'TTFT2 ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'% roofline':>11}")
+    floor_s = m["decode_floor_bytes"] / copy_bps if m["decode_floor_bytes"] and copy_bps else None
+    gbps = size / m["weights_s"] / 1e9 if m["weights_s"] else float("nan")
+    mrow = {"ready_s": m["ready_s"], "weights_s": m["weights_s"], "weights_gbps": gbps,
+            "ttft1_ms": 1e3 * m["ttft_s"][0], "ttft2_ms": 1e3 * m["ttft_s"][1],
+            "prefill_tok_s": a.prompt / m["ttft_s"][1], "decode_tok_s": m["decode_tok_s"],
+            "decode_roofline_pct": 100 * floor_s / m["tpot_s"] if floor_s else None}
+    res["table"] = {"memra": mrow}
+    print(f"{'memra':<10} {mrow['ready_s']:>8.1f} {mrow['weights_s']:>10.1f} {gbps:>6.2f} "
+          f"{100 * gbps / c['read_gbps']:>6.0f}% {mrow['ttft1_ms']:>9.1f} {mrow['ttft2_ms']:>9.1f} "
+          f"{mrow['prefill_tok_s']:>14.0f} {mrow['decode_tok_s']:>13.1f} "
+          f"{mrow['decode_roofline_pct'] or float('nan'):>10.1f}%")
+    lc = res.get("llama.cpp")
+    if lc and "decode_tok_s" in lc:
+        lrow = {"ready_s": lc["load_wall_s"], "prefill_tok_s": lc.get("prefill_tok_s"),
+                "decode_tok_s": lc["decode_tok_s"],
+                "decode_roofline_pct": 100 * floor_s * lc["decode_tok_s"] if floor_s else None}
+        res["table"]["llama.cpp"] = lrow
+        print(f"{'llama.cpp':<10} {lrow['ready_s']:>8.1f} {'':>10} {'':>6} {'':>7} {'':>9} {'':>9} "
+              f"{lrow['prefill_tok_s'] or float('nan'):>14.0f} {lrow['decode_tok_s']:>13.1f} "
+              f"{lrow['decode_roofline_pct'] or float('nan'):>10.1f}%")
+        ratios = {"decode": mrow["decode_tok_s"] / lrow["decode_tok_s"],
+                  "prefill": mrow["prefill_tok_s"] / (lrow["prefill_tok_s"] or float("nan")),
+                  "load": mrow["ready_s"] / lrow["ready_s"]}
+        res["table"]["ratios"] = ratios
+        print(f"memra / llama.cpp: decode {ratios['decode']:.2f}x, prefill {ratios['prefill']:.2f}x, "
+              f"load (ready) {ratios['load']:.2f}x the wall time")
+    elif lc:
+        print(f"llama.cpp failed: {lc.get('error', '')[-800:]}")
+    print(f"TTFT first / second request: {m['ttft_s'][0] / m['ttft_s'][1]:.2f}x")
+    if a.json_out:
+        write_json(a.json_out, res)
+    return 0
+
+
+def add_file_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a GGUF file (e.g. memra convert synth --geometry full --layers 12 ...)")
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens for TTFT / prefill")
+    p.add_argument("--gen", type=int, default=128, help="decode tokens at batch 1")
+    p.add_argument("--reps", type=int, default=2, help="repetitions of the decode run (best) and of llama-bench")
+    p.add_argument("--llama-bench", default=None, metavar="EXE", help="llama.cpp's llama-bench built for CUDA")
+    p.add_argument("--warm-triton-cache", action="store_true",
+                   help="let memra's process use the existing Triton cache (default: a fresh one: cold start)")
+    p.add_argument("--device", default="cuda", help="memra's device (cpu: a smoke test of the bench itself)")
+    p.add_argument("--json-out", default=None, help="write the result JSON here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m memra.bench.file")
+    add_file_args(p)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        _child(a)
+        return 0
+    return run_from_args(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
