@@ -313,6 +313,7 @@ def test_permute_rows(qt: QType):
 
 def _random_file(tmp_path, n: int):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     p = tmp_path / "bytes.bin"
     p.write_bytes(data.numpy().tobytes())
     return p, data
@@ -324,14 +325,16 @@ def test_device_reader_reads_ranges_and_names_a_short_file(tmp_path):
     from memra.io.staging import DeviceReader
 
     p, data = _random_file(tmp_path, 100_003)
-    with DeviceReader(p, "cpu") as r:
+    with DeviceReader("cpu") as r:
         for off, n in ((0, 0), (0, 100_003), (17, 4096), (99_999, 4)):
-            assert torch.equal(r.read(off, n), data[off:off + n])
+            assert torch.equal(r.read(p, off, n), data[off:off + n])
         assert r.bytes_read == 100_003 + 4096 + 4
         with pytest.raises(EOFError, match="bytes.bin"):
-            r.read(100_000, 10)
+            r.read(p, 100_000, 10)
         with pytest.raises(ValueError, match=">= 0"):
-            r.read(-1, 4)
+            r.read(p, -1, 4)
+        with pytest.raises(FileNotFoundError):
+            r.read(tmp_path / "missing.bin", 0, 4)
 
 
 @pytest.mark.gpu
@@ -341,7 +344,9 @@ def test_device_reader_streams_through_pinned_buffers(tmp_path):
     from memra.io.staging import DeviceReader
 
     p, data = _random_file(tmp_path, 1_000_003)
-    with DeviceReader(p, "cuda", chunk=4099) as r:
-        outs = [(off, n, r.read(off, n)) for off, n in ((0, 1_000_003), (5, 77_777), (999_000, 1003), (3, 0))]
+    q, data2 = _random_file(tmp_path / "b", 5000)
+    with DeviceReader("cuda", chunk=4099) as r:
+        outs = [(off, n, r.read(p, off, n)) for off, n in ((0, 1_000_003), (5, 77_777), (999_000, 1003), (3, 0))]
+        assert torch.equal(r.read(q, 1, 4999).cpu(), data2[1:])  # a second file through the same buffers
         for off, n, t in outs:
             assert t.device.type == "cuda" and torch.equal(t.cpu(), data[off:off + n])

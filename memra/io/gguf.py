@@ -119,8 +119,8 @@ class GGUFCheckpoint:
                 device = torch.device("cuda", torch.cuda.current_device())
             reader = self._readers.get(device)
             if reader is None:
-                reader = self._readers[device] = DeviceReader(self.path, device)
-            raw = reader.read(info.offset, info.nbytes)
+                reader = self._readers[device] = DeviceReader(device)
+            raw = reader.read(self.path, info.offset, info.nbytes)
         if info.qtype == QType.F32:
             data = raw.view(torch.float32).reshape(info.shape)
         elif info.qtype == QType.F16:

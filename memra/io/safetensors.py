@@ -27,12 +27,14 @@ from ..quant.fp8 import FP8BlockTensor, fp8_scale_shape
 from ..quant.tensor import QTensor
 from ..quant.types import QType, UnsupportedQTypeError
 from .gguf import CheckpointError
+from .staging import DeviceReader
 
 __all__ = ["SafetensorsCheckpoint", "STInfo", "read_hf_dir", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 _PLAIN = {"BF16": QType.BF16, "F16": QType.F16, "F32": QType.F32}
 _FP8 = "F8_E4M3"
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 _ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -44,6 +46,8 @@ class STInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the data in ``file`` (from the header)
+    nbytes: int = 0
 
 
 class SafetensorsCheckpoint:
@@ -61,6 +65,13 @@ class SafetensorsCheckpoint:
     def __init__(self, path: Path, config: dict[str, Any], infos: dict[str, STInfo], fp8_block: tuple[int, int]):
         self.path, self.config, self.infos, self.fp8_block = path, config, infos, fp8_block
         self._handles: dict[Path, Any] = {}
+        self._readers: dict[torch.device, DeviceReader] = {}
+
+    def release_staging(self) -> None:
+        """Close the staging readers of :meth:`tensor` ``(device=...)``; later calls open new ones."""
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -68,10 +79,19 @@ class SafetensorsCheckpoint:
     def names(self) -> list[str]:
         return sorted(self.infos)
 
-    def _raw(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        info = self.infos[name]
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            reader = self._readers.get(device)
+            if reader is None:
+                reader = self._readers[device] = DeviceReader(device)
+            raw = reader.read(info.file, info.offset, info.nbytes)
+            return raw.view(_TORCH_DTYPE[info.dtype]).reshape(info.shape)
         from safetensors import safe_open
 
-        info = self.infos[name]
         f = self._handles.get(info.file)
         if f is None:
             f = self._handles[info.file] = safe_open(str(info.file), framework="pt")
@@ -86,13 +106,16 @@ class SafetensorsCheckpoint:
                                   + (f" from the config ({why})" if why else ""))
         return info
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None, *, why: str = "") -> QTensor | FP8BlockTensor:
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, *, why: str = "",
+               device: torch.device | str | None = None) -> QTensor | FP8BlockTensor:
         """Load tensor ``name`` in its stored format.
 
         Args:
             name: e.g. ``"model.layers.0.self_attn.q_proj.weight"``.
             shape: the torch-order shape the model expects; checked if given.
             why: where the expected shape comes from (config keys), quoted in errors.
+            device: where the bytes go (default: the safetensors library's host copy). A CUDA
+                device gets them through pinned staging buffers (:class:`memra.io.staging.DeviceReader`).
         Returns:
             a QTensor (BF16/F16/F32) or, for F8_E4M3, an FP8BlockTensor with its
             ``<name>_scale_inv``.
@@ -103,7 +126,7 @@ class SafetensorsCheckpoint:
         """
         info = self._check(name, shape, why)
         if info.dtype in _PLAIN:
-            t = self._raw(name)
+            t = self._raw(name, device)
             return QTensor(name, _PLAIN[info.dtype], info.shape, t)
         if info.dtype == _FP8:
             sname = name + "_scale_inv"
@@ -121,7 +144,7 @@ class SafetensorsCheckpoint:
                     f"scale per {self.fp8_block[0]}x{self.fp8_block[1]} block of the {info.shape} weight {name!r})")
             if sinfo.dtype != "F32":
                 raise CheckpointError(f"{sinfo.file}: scale tensor {sname!r} is {sinfo.dtype}, expected F32")
-            return FP8BlockTensor(name, info.shape, self._raw(name), self._raw(sname), self.fp8_block)
+            return FP8BlockTensor(name, info.shape, self._raw(name, device), self._raw(sname, device), self.fp8_block)
         raise UnsupportedQTypeError(f"{info.file}: tensor {name!r} has dtype {info.dtype}; supported: "
                                     f"{', '.join(list(_PLAIN) + [_FP8])} (F8_E4M3 with block scales)")
 
@@ -144,6 +167,17 @@ class SafetensorsCheckpoint:
                     p *= d
                 n += p
         return n
+
+
+def _data_offsets(f: Path) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (absolute byte offset, byte count) from a safetensors header (an 8-byte
+    little-endian header size, the JSON header, then the data; ``data_offsets`` are relative to
+    the data). Called after the safetensors library has validated the file."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
 
 
 def read_hf_dir(path: str | Path) -> SafetensorsCheckpoint:
@@ -195,11 +229,13 @@ def read_hf_dir(path: str | Path) -> SafetensorsCheckpoint:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
+                where = _data_offsets(f)
                 for name in h.keys():
                     sl = h.get_slice(name)
                     if name in infos:
                         raise CheckpointError(f"{d}: tensor {name!r} is in both {infos[name].file.name} and {f.name}")
-                    infos[name] = STInfo(f, sl.get_dtype(), tuple(int(x) for x in sl.get_shape()))
+                    off, n = where[name]
+                    infos[name] = STInfo(f, sl.get_dtype(), tuple(int(x) for x in sl.get_shape()), off, n)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises SafetensorError / OSError on bad headers

@@ -1,6 +1,6 @@
 """Reading checkpoint bytes straight into GPU memory.
 
-:class:`DeviceReader` copies byte ranges of a file to a CUDA device through two pinned
+:class:`DeviceReader` copies byte ranges of files (a GGUF file, safetensors shards) to a CUDA device through two pinned
 host buffers: the ``pread`` of chunk i + 1 (from the page cache, or the disk) runs on the
 host while the DMA engine copies chunk i, so a load streams at the speed of the slower of
 the two (page-cache reads are several GB/s per core; pinned host-to-device copies on an
@@ -30,55 +30,60 @@ STAGING_CHUNK = 64 << 20
 
 
 class DeviceReader:
-    """Reads byte ranges of one file into uint8 tensors on ``device``.
+    """Reads byte ranges of files into uint8 tensors on ``device``.
 
     Args:
-        path: the file.
         device: a CUDA device (pinned double-buffered upload) or the CPU (a plain read).
         chunk: bytes per staging buffer (CUDA only).
 
-    Use as a context manager, or call :meth:`close`. :attr:`bytes_read` counts the bytes
-    handed out (for a load's GB/s).
+    Files are opened on first use and kept open until :meth:`close`; the two staging buffers
+    are shared by all of them. Use as a context manager, or call :meth:`close`.
+    :attr:`bytes_read` counts the bytes handed out (for a load's GB/s).
 
-    Raises (from :meth:`read`): EOFError if the range runs past the end of the file;
-    ValueError for a negative offset or size.
+    Raises (from :meth:`read`): FileNotFoundError; EOFError if the range runs past the end of
+    the file; ValueError for a negative offset or size.
     """
 
-    def __init__(self, path: str | Path, device: torch.device | str, chunk: int = STAGING_CHUNK):
-        self.path = Path(path)
+    def __init__(self, device: torch.device | str, chunk: int = STAGING_CHUNK):
         self.device = torch.device(device)
-        self.fd = os.open(self.path, os.O_RDONLY)
         self.chunk = chunk
         self.bytes_read = 0
+        self._fds: dict[Path, int] = {}
         self._bufs: list[torch.Tensor] = []
         self._done: list[torch.cuda.Event | None] = []
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
 
     def _staging(self) -> None:
         if not self._bufs:
             self._bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self._done = [None, None]
 
-    def _pread_into(self, view: memoryview, offset: int) -> None:
-        got = 0
+    def _pread_into(self, path: Path, view: memoryview, offset: int) -> None:
+        fd, got = self._fd(path), 0
         while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], offset + got)
+            n = os.preadv(fd, [view[got:]], offset + got)
             if n == 0:
-                raise EOFError(f"{self.path}: wanted {len(view)} bytes at offset {offset}, the file ends after "
-                               f"{got}")
+                raise EOFError(f"{path}: wanted {len(view)} bytes at offset {offset}, the file ends after {got}")
             got += n
 
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """Bytes ``[offset, offset + nbytes)`` of the file as a new uint8 tensor [nbytes] on the device.
+    def read(self, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of ``path`` as a new uint8 tensor [nbytes] on the device.
 
         On CUDA the copies are queued on the current stream (ordered before any later work
         on it); the staging buffers are reused only once their copy has finished."""
+        path = Path(path)
         if offset < 0 or nbytes < 0:
-            raise ValueError(f"{self.path}: read of {nbytes} bytes at offset {offset}: both must be >= 0")
+            raise ValueError(f"{path}: read of {nbytes} bytes at offset {offset}: both must be >= 0")
         self.bytes_read += nbytes
         if self.device.type != "cuda":
             out = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
-                self._pread_into(memoryview(out.numpy()), offset)
+                self._pread_into(path, memoryview(out.numpy()), offset)
             return out.to(self.device)
         self._staging()
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -89,7 +94,7 @@ class DeviceReader:
             ev = self._done[i % 2]
             if ev is not None:
                 ev.synchronize()  # this buffer's previous copy has left the host
-            self._pread_into(memoryview(b.numpy())[:n], offset + pos)
+            self._pread_into(path, memoryview(b.numpy())[:n], offset + pos)
             out[pos:pos + n].copy_(b[:n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -99,14 +104,14 @@ class DeviceReader:
         return out
 
     def close(self) -> None:
-        """Wait for queued copies, release the staging buffers and the file."""
+        """Wait for queued copies, release the staging buffers and the files."""
         for ev in self._done:
             if ev is not None:
                 ev.synchronize()
         self._bufs, self._done = [], []
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
     def __enter__(self) -> DeviceReader:
         return self

@@ -64,10 +64,13 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     cls = MODEL_REGISTRY[config.arch]
     if not hasattr(cls, "from_hf"):
         raise ConfigError(f"{ckpt.path}: architecture {config.arch!r} has no safetensors loader yet")
-    with torch.no_grad():
-        model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
-        if device is None:
-            model.build_cpu(progress)
+    try:
+        with torch.no_grad():
+            model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
+            if device is None:
+                model.build_cpu(progress)
+    finally:
+        ckpt.release_staging()
     return model.eval(), ckpt
 
 

@@ -82,8 +82,9 @@ class HFWeights:
     naming the file, the tensor and the config values the expected shape came from.
     """
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype):
-        self.ckpt, self.config, self.dtype = ckpt, config, dtype
+    def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
         self.used: set[str] = set()
         self.loaded_bytes = 0
 
@@ -97,7 +98,8 @@ class HFWeights:
 
     def q(self, name: str, shape: tuple[int, ...], why: str) -> QTensor | FP8BlockTensor:
         """The tensor in its stored format (QTensor, or FP8BlockTensor with its scales)."""
-        t = self.ckpt.tensor(name, shape, why=why)
+        # in-memory checkpoints (memra/io/synthetic.py) make tensors where they live: no device
+        t = self.ckpt.tensor(name, shape, why=why, **({} if self.device is None else {"device": self.device}))
         self.loaded_bytes += t.nbytes
         self.used.add(name)
         if isinstance(t, FP8BlockTensor):

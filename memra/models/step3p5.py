@@ -181,7 +181,7 @@ class Step35ForCausalLM(CausalLM):
                 contradicts the config (the message names the config values), or tensors the
                 config does not account for.
         """
-        return cls._build(HFWeights(ckpt, config, dtype), progress, device)
+        return cls._build(HFWeights(ckpt, config, dtype, device), progress, device)
 
     @classmethod
     def from_gguf(cls, ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype = torch.float32,
