@@ -14,6 +14,7 @@ import torch
 
 from .kv_cache import PagedBatch, PagedKVCache, SeqChunk
 from .request import Request
+from .sampling import sample_rows
 
 __all__ = ["ModelRunner", "StepLogits"]
 
@@ -63,7 +64,10 @@ class ModelRunner:
 
     def _sample_rows(self, out: StepLogits, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sampling rows ``logits`` [len(reqs), vocab] (any device) into ``out``: greedy rows are
-        reduced on the device, the rest copied to the host for the request's sampler."""
+        reduced on the device, random draws shaped only by temperature / top-k / top-p / min-p
+        are drawn there in one batch (``Sampler.batchable``), the rest (penalties, logit_bias,
+        logprobs) are copied to the host for the request's sampler. ``out.greedy`` holds the
+        tokens chosen on the device, (token, logit) per request."""
         if logits.device.type == "cpu":
             for r, req in enumerate(reqs):
                 out.sample[id(req)] = logits[r]
@@ -80,6 +84,11 @@ class ModelRunner:
             top, tok = logits[idx].max(dim=-1)
             for r, t, v in zip(fast, tok.tolist(), top.tolist()):
                 out.greedy[id(reqs[r])] = (t, v)
+        drawn = [r for r in range(len(reqs)) if id(reqs[r]) not in out.greedy and reqs[r].sampler.batchable()]
+        if drawn:  # random draws, batched on the device (memra/engine/sampling.py sample_rows)
+            idx = torch.tensor(drawn, device=logits.device)
+            for r, tv in zip(drawn, sample_rows(logits[idx], [reqs[r].sampler for r in drawn])):
+                out.greedy[id(reqs[r])] = tv
         rest = [r for r in range(len(reqs)) if id(reqs[r]) not in out.greedy]
         if rest:
             host = logits[torch.tensor(rest, device=logits.device)].float().cpu()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "SampleResult"]
+__all__ = ["SamplingParams", "Sampler", "SampleResult", "filtered_probs", "inverse_cdf", "sample_rows"]
 
 
 @dataclass
@@ -180,8 +180,10 @@ class Sampler:
         return self.matcher.allowed()
 
     def take(self, token: int, logit: float) -> SampleResult:
-        """Record ``token`` chosen on the device as the argmax (greedy, no penalties, no
-        logprobs: the same choice :meth:`sample` makes); ``logit`` is its value.
+        """Record ``token`` chosen on the device: the argmax (greedy, no penalties, no logprobs:
+        the same choice :meth:`sample` makes), or drawn by :func:`sample_rows` with this step's
+        :meth:`draw` (a :meth:`batchable` step: the same draw :meth:`sample` makes from the
+        same logits); ``logit`` is its logit.
 
         Raises: ValueError if ``logit`` is not finite (no finite logit: cannot sample) or the
         token is outside the vocabulary."""
@@ -220,29 +222,35 @@ class Sampler:
             raise ValueError(f"the model produced no finite logit (max {float(top)}): cannot sample")
         if p.greedy:
             return int(torch.argmax(x)), None
-        # shifting by the max first keeps a tiny temperature exact: the best token's logit is 0,
-        # every other one tends to -inf (its limit is greedy), never inf - inf = nan
-        # (in float64: a temperature below float32's range must not become a division by 0)
-        x = (x.double() - float(top)) / p.temperature
-        if p.top_k > 0 and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            before = torch.cumsum(sp, 0) - sp  # mass strictly above each token
-            drop = before >= p.top_p
-            drop[0] = False
-            probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return None, probs
+        probs = filtered_probs(x.unsqueeze(0), torch.tensor([p.temperature], dtype=torch.float64),
+                               torch.tensor([p.top_k]), torch.tensor([p.top_p], dtype=torch.float64),
+                               torch.tensor([p.min_p], dtype=torch.float64))
+        return None, probs[0]
+
+    def batchable(self) -> bool:
+        """Whether this step's token can be drawn by :func:`sample_rows` on the logits' device
+        (the GPU runner batches such rows): a random draw (temperature > 0) shaped by temperature,
+        top-k, top-p and min-p only: no logit_bias, penalties, logprobs or pending min_tokens
+        ban, and a grammar's mask (if any) already applied by the caller (:meth:`grammar_mask`)."""
+        p = self.params
+        return (not p.greedy and self.bias is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and p.logprobs is None
+                and not (self.generated < p.min_tokens and self.end_ids.numel())
+                and (self.matcher is None or self._mask_step == self.generated))
+
+    def draw(self) -> float:
+        """This step's uniform in [0, 1) from the request's generator (float64): the one random
+        number a sampled token consumes, whether :meth:`sample` or :func:`sample_rows` uses it."""
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
     def sample(self, logits: torch.Tensor) -> SampleResult:
         """Choose the next token from fp32 ``logits`` [vocab_size] and record it."""
         logits = logits.float()
         greedy, probs = self._distribution(logits)
-        token = greedy if probs is None else int(torch.multinomial(probs, 1, generator=self.generator))
+        if probs is None:
+            token = greedy
+        else:
+            token = int(inverse_cdf(probs.unsqueeze(0), torch.tensor([self.draw()], dtype=torch.float64))[0])
         return self._record(token, logits)
 
     def speculate(self, logits: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> tuple[SampleResult, bool]:
@@ -291,3 +299,72 @@ class Sampler:
         self.counts[token] += 1
         self.generated += 1
         return result
+
+
+def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """The sampling distribution of each row of logits, as vLLM shapes it: temperature, then top-k,
+    top-p (nucleus; Holtzman et al. 2019), min-p. One function for the host sampler (one row) and
+    the batched device sampler (:func:`sample_rows`), so both draw from the same numbers.
+
+    Args:
+        x: logits [B, V] (any float dtype, any device; computed in float64). A row needs a
+            finite maximum.
+        temperature: float64 [B], > 0. top_k: int [B] (<= 0 or >= V: off). top_p: float64 [B]
+            in (0, 1] (1: off). min_p: float64 [B] in [0, 1) (0: off).
+    Returns:
+        float64 [B, V] probabilities, not renormalised after top-p / min-p (:func:`inverse_cdf`
+        does not need it).
+    """
+    dev = x.device
+    temperature, top_k, top_p, min_p = (t.to(dev) for t in (temperature, top_k, top_p, min_p))
+    v = x.shape[-1]
+    # shifting by the max first keeps a tiny temperature exact: the best token's logit is 0,
+    # every other one tends to -inf (its limit is greedy), never inf - inf = nan
+    # (in float64: a temperature below float32's range must not become a division by 0)
+    x = x.double()
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
+    use_k = (top_k > 0) & (top_k < v)
+    use_p = top_p < 1.0
+    order = None
+    if bool(use_k.any()) or bool(use_p.any()):
+        sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        kth = sx.gather(1, (top_k.clamp(1, v) - 1)[:, None])
+        x = x.masked_fill(use_k[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool(use_p.any()):
+        sp = probs.gather(1, order)  # in the logits' order: probs are monotone in them
+        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly above each token
+        drop = use_p[:, None] & (before >= top_p[:, None])
+        drop[:, 0] = False
+        probs = probs.scatter(1, order, sp.masked_fill(drop, 0.0))
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [B] (int64) drawn from unnormalised ``probs`` [B, V] with uniforms ``u`` [B] in [0, 1)
+    (float64): the first index whose cumulative mass exceeds ``u`` times the row's total, so a
+    zero-probability token is never chosen. Deterministic in (probs, u): batch-invariant."""
+    c = torch.cumsum(probs, dim=-1)
+    target = (u.to(c.device, c.dtype) * c[:, -1])[:, None]
+    return torch.searchsorted(c, target, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[Sampler]) -> list[tuple[int, float]]:
+    """One token per row of ``logits`` [B, V] (any device) for :meth:`Sampler.batchable` samplers, on
+    the logits' device: :func:`filtered_probs` with each row's parameters and :func:`inverse_cdf`
+    with each sampler's :meth:`Sampler.draw`. Returns (token, its logit) per row, for
+    :meth:`Sampler.take`. Two small host transfers per call (the parameters and uniforms in,
+    B tokens and logits out) instead of B rows of logits."""
+    ps = [s.params for s in samplers]
+    f64 = torch.float64
+    temperature = torch.tensor([p.temperature for p in ps], dtype=f64)
+    top_k = torch.tensor([p.top_k for p in ps])
+    top_p = torch.tensor([p.top_p for p in ps], dtype=f64)
+    min_p = torch.tensor([p.min_p for p in ps], dtype=f64)
+    u = torch.tensor([s.draw() for s in samplers], dtype=f64)
+    tok = inverse_cdf(filtered_probs(logits, temperature, top_k, top_p, min_p), u)
+    chosen = logits.gather(1, tok[:, None])[:, 0].float()
+    return list(zip(tok.tolist(), chosen.tolist()))
