@@ -312,13 +312,11 @@ _SYNTH_FORMATS = ("hf-bf16", "hf-fp8", "gguf-q8_0", "gguf-nvfp4", "gguf-q4_k")  
 
 
 def cmd_convert_synth(a: argparse.Namespace) -> int:
-    from .io.synthetic import describe, load_geometry, write_synthetic
+    from .io.synthetic import cut_geometry, describe, load_geometry, write_synthetic
 
     g = load_geometry(a.geometry)
-    cut = {k: v for k, v in (("layers", a.layers), ("dense_layers", a.dense_layers), ("mtp_layers", a.mtp_layers))
-           if v is not None}
-    if cut:
-        g = load_geometry(g | cut)
+    if (a.layers, a.dense_layers, a.mtp_layers) != (None, None, None):
+        g = cut_geometry(g, a.layers, a.dense_layers, a.mtp_layers)
     if a.vocab_from is not None:
         from .hub import resolve_model
         from .io.synthetic import with_vocabulary

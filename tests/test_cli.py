@@ -171,6 +171,12 @@ def test_convert_synth_cut_and_bench_file_smoke(tmp_path):
     ck = read_gguf(out)
     assert ck.metadata["step35.block_count"] == 4 and ck.metadata["step35.leading_dense_block_count"] == 2
     assert ck.infos["blk.3.ffn_gate_exps.weight"].qtype.name == "NVFP4" and "blk.1.ffn_gate_exps.weight" not in ck
+    assert ck.metadata["step35.swiglu_clamp_exp"] == [0.0, 0.0, 1.0, 1.0]  # tiny's clamps stay on its last 2 layers
+    for flags, msg in ((["--layers", "2"], "pass --dense-layers N with N <= 2"), (["--mtp-layers", "-1"], ">= 0"),
+                       (["--layers", "0", "--dense-layers", "0"], "layers = 0 must be an integer >= 1")):
+        bad = subprocess.run([sys.executable, "-m", "memra", "convert", "synth", *flags, "--format", "gguf-q8_0",
+                              "--out", str(tmp_path / "bad.gguf")], capture_output=True, text=True)
+        assert bad.returncode != 0 and msg in bad.stderr, (flags, bad.stderr)
     bad = subprocess.run([sys.executable, "-m", "memra", "convert", "synth", "--format", "gguf-q8_0", "--expert-codes",
                           "random", "--out", str(tmp_path / "x.gguf")], capture_output=True, text=True)
     assert bad.returncode != 0 and "random" in bad.stderr

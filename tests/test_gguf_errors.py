@@ -350,3 +350,25 @@ def test_device_reader_streams_through_pinned_buffers(tmp_path):
         assert torch.equal(r.read(q, 1, 4999).cpu(), data2[1:])  # a second file through the same buffers
         for off, n, t in outs:
             assert t.device.type == "cuda" and torch.equal(t.cpu(), data[off:off + n])
+
+
+@pytest.mark.parametrize("arch", ["llama", "step35"])
+def test_load_progress_counts_every_byte(tmp_path, arch, monkeypatch):
+    """The loading bar (bytes, shows GB/s) ends at the file's tensor bytes: every tensor read,
+    rope_freqs (read by adjust_config) included."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import tiny_gguf
+
+    from memra.io.synthetic import write_synthetic
+    from memra.models import base, load_model
+
+    path = (write_synthetic("tiny", "gguf-q8_0", 0, tmp_path / "s.gguf") if arch == "step35"
+            else tiny_gguf(tmp_path / "m.gguf", arch, layers=2))
+    seen = []
+    close = base.LoadProgress.close
+    monkeypatch.setattr(base.LoadProgress, "close", lambda self: (close(self), seen.append((self.bar.n, self.bar.total))))
+    load_model(path, torch.float32, progress=True)
+    total = read_gguf(path).total_bytes()
+    assert seen == [(total, total)]

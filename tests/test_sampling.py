@@ -189,7 +189,7 @@ def test_batched_device_sampler_draws_what_the_host_sampler_draws():
     v = 300
     pairs = _twins(v)
     g = torch.Generator().manual_seed(7)
-    for step in range(6):
+    for _ in range(6):
         logits = torch.randn(len(pairs), v, generator=g) * 3
         batched = sample_rows(logits, [a for a, _ in pairs])
         host = [b.sample(logits[r]).token for r, (_, b) in enumerate(pairs)]

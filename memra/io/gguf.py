@@ -75,10 +75,6 @@ class GGUFCheckpoint:
             r.close()
         self._readers = {}
 
-    def bytes_to_device(self) -> int:
-        """Bytes read so far through :meth:`tensor` ``(device=...)`` (all devices)."""
-        return sum(r.bytes_read for r in self._readers.values())
-
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")

@@ -46,22 +46,22 @@ class DeviceReader:
 
     def __init__(self, device: torch.device | str, chunk: int = STAGING_CHUNK):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if chunk < 1:
+            raise ValueError(f"DeviceReader: chunk = {chunk} bytes, must be >= 1")
         self.chunk = chunk
         self.bytes_read = 0
         self._fds: dict[Path, int] = {}
         self._bufs: list[torch.Tensor] = []
         self._done: list[torch.cuda.Event | None] = []
+        self._next = 0  # the staging buffer the next chunk goes through (alternates across reads)
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
-
-    def _staging(self) -> None:
-        if not self._bufs:
-            self._bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self._done = [None, None]
 
     def _pread_into(self, path: Path, view: memoryview, offset: int) -> None:
         fd, got = self._fd(path), 0
@@ -74,44 +74,50 @@ class DeviceReader:
     def read(self, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of ``path`` as a new uint8 tensor [nbytes] on the device.
 
-        On CUDA the copies are queued on the current stream (ordered before any later work
-        on it); the staging buffers are reused only once their copy has finished."""
+        On CUDA the copies are queued on the device's current stream (ordered before any later
+        work on it); a staging buffer is refilled only once its previous copy has finished."""
         path = Path(path)
         if offset < 0 or nbytes < 0:
             raise ValueError(f"{path}: read of {nbytes} bytes at offset {offset}: both must be >= 0")
-        self.bytes_read += nbytes
         if self.device.type != "cuda":
             out = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 self._pread_into(path, memoryview(out.numpy()), offset)
+            self.bytes_read += nbytes
             return out.to(self.device)
-        self._staging()
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        pos, i = 0, 0
-        while pos < nbytes:
-            n = min(self.chunk, nbytes - pos)
-            b = self._bufs[i % 2]
-            ev = self._done[i % 2]
-            if ev is not None:
-                ev.synchronize()  # this buffer's previous copy has left the host
-            self._pread_into(path, memoryview(b.numpy())[:n], offset + pos)
-            out[pos:pos + n].copy_(b[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._done[i % 2] = ev
-            pos += n
-            i += 1
+        with torch.cuda.device(self.device):  # events and copies on this device's stream, whatever is current
+            if not self._bufs:
+                self._bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                self._done = [None, None]
+            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            pos = 0
+            while pos < nbytes:
+                n = min(self.chunk, nbytes - pos)
+                i = self._next
+                if self._done[i] is not None:
+                    self._done[i].synchronize()  # this buffer's previous copy has left the host
+                b = self._bufs[i]
+                self._pread_into(path, memoryview(b.numpy())[:n], offset + pos)
+                out[pos:pos + n].copy_(b[:n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self._done[i] = ev
+                self._next = 1 - i
+                pos += n
+        self.bytes_read += nbytes
         return out
 
     def close(self) -> None:
         """Wait for queued copies, release the staging buffers and the files."""
-        for ev in self._done:
-            if ev is not None:
-                ev.synchronize()
-        self._bufs, self._done = [], []
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        try:
+            for ev in self._done:
+                if ev is not None:
+                    ev.synchronize()
+        finally:
+            self._bufs, self._done = [], []
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
 
     def __enter__(self) -> DeviceReader:
         return self

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GEOMETRIES", "FORMATS", "SynthError", "load_geometry", "hub_config", "model_config", "tensor_shapes",
+__all__ = ["GEOMETRIES", "FORMATS", "SynthError", "load_geometry", "cut_geometry", "hub_config", "model_config", "tensor_shapes",
            "synth_tensor", "synth_tensors", "write_synthetic", "build_model", "gguf_tokenizer_metadata",
            "MemoryCheckpoint"]
 
@@ -103,11 +103,35 @@ def load_geometry(spec: str | dict) -> dict[str, Any]:
     if unknown:
         raise SynthError(f"unknown geometry keys {sorted(unknown)} (known: {sorted(GEOMETRIES['tiny'])})")
     g = dict(GEOMETRIES["tiny"]) | dict(over)
+    if not (isinstance(g["layers"], int) and g["layers"] >= 1):
+        raise SynthError(f"layers = {g['layers']!r} must be an integer >= 1")
+    if not (isinstance(g["mtp_layers"], int) and g["mtp_layers"] >= 0):
+        raise SynthError(f"mtp_layers = {g['mtp_layers']!r} must be an integer >= 0")
     if not 0 <= g["dense_layers"] <= g["layers"]:
         raise SynthError(f"dense_layers = {g['dense_layers']} must be in [0, layers = {g['layers']}]")
     if g["top_k"] > g["experts"]:
         raise SynthError(f"top_k = {g['top_k']} exceeds experts = {g['experts']}")
     return g
+
+
+def cut_geometry(g: dict, layers: int | None = None, dense_layers: int | None = None,
+                 mtp_layers: int | None = None) -> dict[str, Any]:
+    """Geometry ``g`` cut to ``layers`` decoder layers (``dense_layers`` of them leading dense ones,
+    ``mtp_layers`` MTP layers; None keeps ``g``'s value). The SwiGLU-clamped layers keep their
+    place at the end of the decoder: ``full``'s clamps on its last two layers (43, 44) become the
+    cut's last two, so a cut still runs a clamped layer.
+
+    Raises: SynthError naming the flag values that contradict each other."""
+    new = dict(g)
+    for k, v in (("layers", layers), ("dense_layers", dense_layers), ("mtp_layers", mtp_layers)):
+        if v is not None:
+            new[k] = v
+    if layers is not None and dense_layers is None and g["dense_layers"] > layers:
+        raise SynthError(f"--layers {layers} is fewer than the geometry's {g['dense_layers']} leading dense layers: "
+                         f"pass --dense-layers N with N <= {layers}")
+    shift = new["layers"] - g["layers"]
+    new["clamp_layers"] = [c + shift for c in g["clamp_layers"] if 0 <= c + shift < new["layers"]]
+    return load_geometry(new)
 
 
 def _types(g: dict) -> list[str]:

@@ -276,10 +276,12 @@ class CausalLM(nn.Module):
         """
         config = cls.adjust_config(ckpt, config)
         w = GGUFWeights(ckpt, config, dtype, device)
+        if "rope_freqs.weight" in ckpt:  # read by adjust_config
+            w.loaded_bytes += ckpt.infos["rope_freqs.weight"].nbytes
+        bar = LoadProgress(w, progress)
         D, V = config.hidden_size, config.vocab_size
         emb_q = w.q("token_embd.weight", (V, D), f"vocab_size={V}, hidden_size={D}")
         embed = Embedding(emb_q, dtype, config.embedding_scale)
-        bar = LoadProgress(w, progress)
         layers = []
         for i in range(config.num_layers):
             layers.append(on_device(cls.build_layer(w, i, config.layers[i]), device, dtype))

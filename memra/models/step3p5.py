@@ -201,8 +201,9 @@ class Step35ForCausalLM(CausalLM):
         """
         config = cls.adjust_config(ckpt, config)
         w = GGUFStep35Weights(ckpt, config, dtype, device)
-        if "rope_freqs.weight" in ckpt:
+        if "rope_freqs.weight" in ckpt:  # read by adjust_config
             w.used.add("rope_freqs.weight")
+            w.loaded_bytes += ckpt.infos["rope_freqs.weight"].nbytes
         return cls._build(w, progress, device)
 
     @classmethod
