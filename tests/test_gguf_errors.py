@@ -338,10 +338,16 @@ def test_device_reader_reads_ranges_and_names_a_short_file(tmp_path):
 
 
 @pytest.mark.gpu
-def test_device_reader_streams_through_pinned_buffers(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_device_reader_streams_through_pinned_buffers(tmp_path, monkeypatch, threads):
     """The CUDA path: chunks far smaller than the ranges (so both staging buffers are reused many
-    times, copies in flight while the next chunk is read) give the file's bytes exactly."""
+    times, copies in flight while the next chunk is read, each chunk read by ``threads``
+    concurrent slices) give the file's bytes exactly."""
+    from memra.io import staging
     from memra.io.staging import DeviceReader
+
+    monkeypatch.setattr(staging, "READ_THREADS", threads)
+    monkeypatch.setattr(staging, "READ_SPLIT_MIN", 1000)
 
     p, data = _random_file(tmp_path, 1_000_003)
     q, data2 = _random_file(tmp_path / "b", 5000)
@@ -372,3 +378,18 @@ def test_load_progress_counts_every_byte(tmp_path, arch, monkeypatch):
     load_model(path, torch.float32, progress=True)
     total = read_gguf(path).total_bytes()
     assert seen == [(total, total)]
+
+
+def test_device_reader_splits_large_reads_across_threads(tmp_path, monkeypatch):
+    """Reads past READ_SPLIT_MIN go out as READ_THREADS concurrent slices: same bytes, and a slice
+    that runs past the end of the file still raises EOFError."""
+    from memra.io import staging
+
+    monkeypatch.setattr(staging, "READ_THREADS", 3)
+    monkeypatch.setattr(staging, "READ_SPLIT_MIN", 1000)
+    p, data = _random_file(tmp_path, 100_003)
+    with staging.DeviceReader("cpu") as r:
+        for off, n in ((0, 100_003), (1, 99_001), (50_000, 1001), (7, 999)):
+            assert torch.equal(r.read(p, off, n), data[off:off + n])
+        with pytest.raises(EOFError, match="bytes.bin"):
+            r.read(p, 90_000, 20_000)

@@ -3,7 +3,8 @@
 What it measures, all in one run on the same file and GPU:
 
 - ceilings of the load: the file read from the page cache into pinned host buffers by one
-  thread (GB/s; the file is read once before, to be in the page cache), and pinned
+  thread and by the loader's threads (GB/s; the file is read once before, to be in the page
+  cache), and pinned
   host-to-device copies (GB/s); the device-to-device copy bandwidth (the decode roofline's
   denominator);
 - memra, twice in a fresh process (``python -m memra.bench.file --child``; the first with a new,
@@ -39,27 +40,31 @@ __all__ = ["add_file_args", "run_from_args", "read_ceilings"]
 
 
 def read_ceilings(path: str, chunk: int = 64 << 20, cuda: bool = True) -> dict:
-    """Page-cache read GB/s of ``path`` into a pinned buffer (one thread, second pass) and
-    pinned host-to-device copy GB/s (1 GiB, median of 5; ``cuda`` False: the read alone, into
-    ordinary memory)."""
-    fd = os.open(path, os.O_RDONLY)
-    size = os.fstat(fd).st_size
+    """Page-cache read GB/s of ``path`` in ``chunk``-byte pieces into a pinned buffer, by one thread
+    and by the loader's :data:`memra.io.staging.READ_THREADS` (each after a first pass that brings
+    the file into the page cache), and pinned host-to-device copy GB/s (1 GiB, median of 5;
+    ``cuda`` False: the reads alone, into ordinary memory)."""
+    from ..io import staging
+
+    size = os.path.getsize(path)
     buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
     mv = memoryview(buf.numpy())
-    try:
-        times = []
-        for _ in range(2):  # the first pass brings the file into the page cache
-            t0 = time.perf_counter()
-            off = 0
-            while off < size:
-                n = os.preadv(fd, [mv[:min(chunk, size - off)]], off)
-                if n <= 0:
-                    break
-                off += n
-            times.append(time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-    out = {"file_bytes": size, "read_cold_s": times[0], "read_gbps": size / times[1] / 1e9}
+    out: dict = {"file_bytes": size, "read_threads": staging.READ_THREADS}
+    for key, threads in (("read_gbps_1_thread", 1), ("read_gbps", staging.READ_THREADS)):
+        saved, staging.READ_THREADS = staging.READ_THREADS, threads
+        r = staging.DeviceReader("cpu")
+        try:
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                for off in range(0, size, chunk):
+                    r._pread_into(Path(path), mv[:min(chunk, size - off)], off)
+                times.append(time.perf_counter() - t0)
+        finally:
+            r.close()
+            staging.READ_THREADS = saved
+        out[key] = size / times[1] / 1e9
+        out.setdefault("read_cold_s", times[0])
     if not cuda:
         return out
     src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
@@ -213,7 +218,8 @@ def run_from_args(a: argparse.Namespace) -> int:
     c = res["ceilings"]
     size = c["file_bytes"]
     copy_bps = c["copy_tbps"] * 1e12 if cuda else None
-    print(f"file {path}: {size / 1e9:.2f} GB; read from the page cache {c['read_gbps']:.2f} GB/s (first pass "
+    print(f"file {path}: {size / 1e9:.2f} GB; read from the page cache {c['read_gbps']:.2f} GB/s by "
+          f"{c['read_threads']} threads, {c['read_gbps_1_thread']:.2f} GB/s by one (first pass "
           f"{size / c['read_cold_s'] / 1e9:.2f} GB/s)"
           + (f", pinned host-to-device {c['h2d_gbps']:.1f} GB/s, device copy {c['copy_tbps']:.2f} TB/s" if cuda else ""))
     print(f"memra: {m['memory']}")
