@@ -35,6 +35,7 @@ Source: shared/STEP35.md (geometry, layouts), shared/FORMATS.md (formats).
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -439,14 +440,19 @@ def write_synthetic(geometry: str | dict, fmt: str, seed: int, out: str | Path,
     from .gguf_writer import write_gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, shape in tensor_shapes(g).items():
+    def make(item):
+        name, shape = item
         if expert_codes == "random" and _is_routed(name):
             gname = gguf_tensor_name(name)
-            tensors[gname] = random_nvfp4(gname, shape, seed)
-        else:
-            gname, t = gguf_tensor(name, synth_tensor(name, shape, seed), fmt)
-            tensors[gname] = t
+            return gname, random_nvfp4(gname, shape, seed)
+        return gguf_tensor(name, synth_tensor(name, shape, seed), fmt)
+
+    # each tensor has its own generator, so drawing them on several threads (torch releases the GIL)
+    # gives the same file; a full-size file's draws take minutes on one thread
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        tensors = dict(pool.map(make, tensor_shapes(g).items()))
     tensors["rope_freqs.weight"] = rope_freq_factors(g)
     return write_gguf(out, "step35", _gguf_metadata(g), tensors)
 
