@@ -4,7 +4,8 @@
 # Writes the file with `memra convert synth` (random NVFP4 codes: seconds, not the quantizer's
 # minutes), builds llama.cpp's llama-bench for CUDA sm_90 from the llama-cpp-python 0.3.36 sdist's
 # vendor/llama.cpp (carried as .gpumodel/llama-src.tgz) meanwhile, then runs `memra bench file`.
-# Usage (on the device): bash benchmarks/h200-file-bench.sh   (results under $OUT)
+# Usage (on the device): MEMRA_COMMIT=<this checkout's commit> bash benchmarks/h200-file-bench.sh   (results under $OUT;
+# the device copy's .git may be stale, so the commit is passed in)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PATH=/usr/local/cuda/bin:$PATH
