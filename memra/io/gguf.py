@@ -21,7 +21,7 @@ import torch
 
 from ..quant.tensor import QTensor
 from ..quant.types import QTYPE_INFO, QType, UnsupportedQTypeError, qtype_from_int
-from .staging import DeviceReader
+from .staging import StagingReaders
 
 __all__ = ["CheckpointError", "TensorInfo", "GGUFCheckpoint", "read_gguf", "read_metadata"]
 
@@ -66,14 +66,12 @@ class GGUFCheckpoint:
         self.metadata = metadata
         self.infos = infos
         self._mm = mm
-        self._readers: dict[torch.device, DeviceReader] = {}
+        self._staging = StagingReaders()
 
     def release_staging(self) -> None:
         """Close the staging readers of :meth:`tensor` ``(device=...)`` (their pinned buffers and
         file descriptors); later calls open new ones. Loaders call this when they finish."""
-        for r in self._readers.values():
-            r.close()
-        self._readers = {}
+        self._staging.close()
 
     @property
     def architecture(self) -> str:
@@ -110,13 +108,7 @@ class GGUFCheckpoint:
         if device is None:
             raw = torch.from_numpy(np.array(self._mm[info.offset : info.offset + info.nbytes]))
         else:
-            device = torch.device(device)
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            reader = self._readers.get(device)
-            if reader is None:
-                reader = self._readers[device] = DeviceReader(device)
-            raw = reader.read(self.path, info.offset, info.nbytes)
+            raw = self._staging.read(device, self.path, info.offset, info.nbytes)
         if info.qtype == QType.F32:
             data = raw.view(torch.float32).reshape(info.shape)
         elif info.qtype == QType.F16:

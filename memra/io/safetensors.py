@@ -27,7 +27,7 @@ from ..quant.fp8 import FP8BlockTensor, fp8_scale_shape
 from ..quant.tensor import QTensor
 from ..quant.types import QType, UnsupportedQTypeError
 from .gguf import CheckpointError
-from .staging import DeviceReader
+from .staging import StagingReaders
 
 __all__ = ["SafetensorsCheckpoint", "STInfo", "read_hf_dir", "INDEX_NAME"]
 
@@ -65,13 +65,11 @@ class SafetensorsCheckpoint:
     def __init__(self, path: Path, config: dict[str, Any], infos: dict[str, STInfo], fp8_block: tuple[int, int]):
         self.path, self.config, self.infos, self.fp8_block = path, config, infos, fp8_block
         self._handles: dict[Path, Any] = {}
-        self._readers: dict[torch.device, DeviceReader] = {}
+        self._staging = StagingReaders()
 
     def release_staging(self) -> None:
         """Close the staging readers of :meth:`tensor` ``(device=...)``; later calls open new ones."""
-        for r in self._readers.values():
-            r.close()
-        self._readers = {}
+        self._staging.close()
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -82,13 +80,7 @@ class SafetensorsCheckpoint:
     def _raw(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
         info = self.infos[name]
         if device is not None:
-            device = torch.device(device)
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            reader = self._readers.get(device)
-            if reader is None:
-                reader = self._readers[device] = DeviceReader(device)
-            raw = reader.read(info.file, info.offset, info.nbytes)
+            raw = self._staging.read(device, info.file, info.offset, info.nbytes)
             return raw.view(_TORCH_DTYPE[info.dtype]).reshape(info.shape)
         from safetensors import safe_open
 

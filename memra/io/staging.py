@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DeviceReader", "STAGING_CHUNK", "READ_THREADS"]
+__all__ = ["DeviceReader", "StagingReaders", "STAGING_CHUNK", "READ_THREADS"]
 
 #: Bytes per pinned staging buffer (two are used): large enough that a chunk's syscall and
 #: copy launch are amortised, small enough that pinning them at start-up is quick.
@@ -149,3 +149,26 @@ class DeviceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StagingReaders:
+    """One :class:`DeviceReader` per device, opened on first use (what a checkpoint holds while a
+    model loads); :meth:`close` closes them all (later reads open new ones)."""
+
+    def __init__(self):
+        self._readers: dict[torch.device, DeviceReader] = {}
+
+    def read(self, device: torch.device | str, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
+        """:meth:`DeviceReader.read` through ``device``'s reader ("cuda" means the current GPU)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        reader = self._readers.get(device)
+        if reader is None:
+            reader = self._readers[device] = DeviceReader(device)
+        return reader.read(path, offset, nbytes)
+
+    def close(self) -> None:
+        readers, self._readers = list(self._readers.values()), {}
+        for r in readers:
+            r.close()
