@@ -187,10 +187,10 @@ def run_from_args(a: argparse.Namespace) -> int:
         return 2
     path = str(Path(a.path).resolve())
     dev = torch.device(a.device)
-    if cuda:
+    if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
     res: dict = {"bench": "file", "commit": commit(), "file": path, "device": a.device,
-                 "gpu": torch.cuda.get_device_name(dev) if cuda else None, "prompt": a.prompt, "gen": a.gen}
+                 "gpu": torch.cuda.get_device_name(dev.index) if cuda else None, "prompt": a.prompt, "gen": a.gen}
     res["ceilings"] = read_ceilings(path, cuda=cuda)
     res["ceilings"]["copy_tbps"] = copy_bandwidth() / 1e12 if cuda else None
     env = dict(os.environ)
