@@ -416,6 +416,11 @@ def test_load_with_device_moves_layer_by_layer(tmp_path, arch, monkeypatch):
                 assert torch.equal(getattr(pa, bank).scale, getattr(pb, bank).scale)
             n += 1
     assert n >= 3 and (not arch.startswith("step35") or built)
+    bufs_a, bufs_b = dict(a.named_buffers()), dict(b.named_buffers())
+    assert bufs_a.keys() == bufs_b.keys() and all(torch.equal(bufs_a[k], bufs_b[k]) for k in bufs_a)  # norms, routers
+    if arch.startswith("step35"):
+        return  # every packed weight, expert bank and buffer is equal byte for byte: the same model (its
+        # interpreted forward costs ~45 s here; the dense models below check the logits)
     ids = [1, 5, 9, 3]
     assert torch.equal(_paged_run(a, ids, 3, "cpu"), _paged_run(b, ids, 3, "cpu"))
 
