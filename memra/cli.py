@@ -42,7 +42,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="no drafting while more requests than this are running")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the model is sharded over (CPU, gloo; workers spawned on this machine, or "
-                        "torchrun's ranks: rank 0 runs this command, the others `memra worker`)")
+                        "torchrun's ranks: every rank runs this same command, rank 0 serves)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="routed experts split by expert over the ranks (EP) instead of along their width")
     p.add_argument("--deterministic", action="store_true",
@@ -348,7 +348,10 @@ def cmd_bench_serve_compare(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memra", description="memra: LLM inference engine",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"memra {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model(g)

@@ -104,5 +104,27 @@ def test_errors(llm):
     with pytest.raises(ValueError, match="a prompt is text"):
         llm.generate([{"prompt_token_ids": 5}])
     assert llm.generate([]) == []  # nothing to run, as vLLM
+    for bad in (torch.tensor([1.0, 2.0]), [torch.tensor(1.5)], torch.tensor(5), {1, 2, 3}):
+        with pytest.raises(ValueError, match="token ids must be integers|a prompt is text|prompts: expected"):
+            llm.generate(bad)
+    p = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match="params: expected a SamplingParams"):
+        llm.generate("Hi", {"temperature": 0})
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["Hi"], [p, p])
+    for kw in (dict(stop=5), dict(stop_token_ids=5)):
+        with pytest.raises(ValueError, match="must be a list"):
+            SamplingParams(**kw)
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # as vLLM
+
+
+def test_per_prompt_sampling_params(llm):
+    """generate(prompts, [params, ...]): each prompt with its own parameters, as vLLM."""
+    a = SamplingParams(temperature=0, max_tokens=3)
+    b = SamplingParams(temperature=0, max_tokens=6)
+    x, y = llm.generate(["The capital of France is", "Hello"], [a, b])
+    assert len(x.outputs[0].token_ids) <= 3 and len(y.outputs[0].token_ids) <= 6
+    assert x.outputs[0].token_ids == llm.generate("The capital of France is", a)[0].outputs[0].token_ids
+    assert y.outputs[0].token_ids == llm.generate("Hello", b)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="dtype"):
         LLM("smollm2-135m", dtype="int3")

@@ -186,6 +186,15 @@ def run_from_args(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     path = str(Path(a.path).resolve())
+    from ..config import ModelConfig
+    from ..io.gguf import read_gguf
+
+    ck = read_gguf(path)
+    ctx = ModelConfig.from_gguf(ck.metadata, set(ck.infos), where=path).max_position_embeddings
+    if a.prompt + a.gen + 64 > ctx:
+        print(f"memra bench file: {path} has a {ctx}-token context; --prompt {a.prompt} + --gen {a.gen} (+ 64) does "
+              f"not fit: pass --prompt <= {ctx - a.gen - 64}", file=sys.stderr)
+        return 2
     dev = torch.device(a.device)
     if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -222,7 +231,8 @@ def run_from_args(a: argparse.Namespace) -> int:
           f"{c['read_threads']} threads, {c['read_gbps_1_thread']:.2f} GB/s by one (first pass "
           f"{size / c['read_cold_s'] / 1e9:.2f} GB/s)"
           + (f", pinned host-to-device {c['h2d_gbps']:.1f} GB/s, device copy {c['copy_tbps']:.2f} TB/s" if cuda else ""))
-    print(f"memra: {m['memory']}")
+    if m["memory"]:
+        print(f"memra: {m['memory']}")
     print(f"{'engine':<10} {'ready s':>8} {'weights s':>10} {'GB/s':>6} {'% read':>7} {'TTFT1 ms':>9} "
           f"{'TTFT2 ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'% roofline':>11}")
     floor_s = m["decode_floor_bytes"] / copy_bps if m["decode_floor_bytes"] and copy_bps else None
@@ -255,7 +265,7 @@ def run_from_args(a: argparse.Namespace) -> int:
         print(f"llama.cpp failed: {lc.get('error', '')[-800:]}")
     w = runs[1]
     print(f"TTFT first / second request: {m['ttft_s'][0] / m['ttft_s'][1]:.2f}x")
-    print(f"second start (Triton cache warm): ready {w['ready_s']:.1f} s (weights {w['weights_s']:.1f} s), TTFT "
+    print(f"second start{' (Triton cache warm)' if cuda else ''}: ready {w['ready_s']:.1f} s (weights {w['weights_s']:.1f} s), TTFT "
           f"{1e3 * w['ttft_s'][0]:.1f} / {1e3 * w['ttft_s'][1]:.1f} ms, decode {w['decode_tok_s']:.1f} tok/s"
           + (f"; ready / llama.cpp's: {w['ready_s'] / lc['load_wall_s']:.2f}x" if lc and "load_wall_s" in lc else ""))
     res["table"]["memra_warm_start"] = {"ready_s": w["ready_s"], "weights_s": w["weights_s"],

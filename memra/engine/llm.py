@@ -105,51 +105,59 @@ class LLM:
                                  "text; text goes under 'prompt'")
         if isinstance(prompt, str):
             return self.engine.encode_prompt(prompt)
-        if isinstance(prompt, bytes) or not isinstance(prompt, Iterable):
-            raise ValueError(f"a prompt is text (str), a list of integer token ids or a dict "
-                             f"({{'prompt': text}} / {{'prompt_token_ids': ids}}), got {type(prompt).__name__}")
+        items = _as_list(prompt, "a prompt is text (str), a list of integer token ids or a dict "
+                                 "({'prompt': text} / {'prompt_token_ids': ids})")
         ids = []
-        for t in prompt:
+        for t in items:
             if not _is_token_id(t):
                 raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__})")
             ids.append(operator.index(t))  # int, numpy and torch integer scalars
         return self.engine.encode_prompt(ids)
 
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
-                 params: SamplingParams | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, prompt_logprobs: int | None = None) -> list[RequestOutput]:
         """Complete each prompt; all prompts run together in the engine's batches.
 
         Args:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or a dict
                 (:meth:`encode_prompt`).
-            params: sampling parameters (default: ``SamplingParams()``).
+            params: sampling parameters (default: ``SamplingParams()``), or a list of them, one per
+                prompt (as vLLM).
             prompt_logprobs: also return the top-k logprobs of each prompt token.
         Returns:
             One :class:`RequestOutput` per prompt, in order.
         Raises:
-            ValueError / PromptTooLongError: bad prompt (nothing is run if any prompt is bad).
+            ValueError / PromptTooLongError: bad prompt or params (nothing is run if any is bad).
         """
-        params = params or SamplingParams()
-        if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, (str, dict, Iterable)):
-            raise ValueError(f"prompts: expected text (str), token ids, a dict prompt or a list of those, "
-                             f"got {type(prompts).__name__}")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         else:
-            prompts = list(prompts)
+            prompts = _as_list(prompts, "prompts: expected text (str), token ids, a dict prompt or a list of those")
             if prompts and _is_token_id(prompts[0]):
                 prompts = [prompts]  # one prompt of token ids
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            per_prompt = [params] * len(prompts)
+        elif isinstance(params, (list, tuple)) and all(isinstance(q, SamplingParams) for q in params):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts (one each, or one "
+                                 f"for all)")
+            per_prompt = list(params)
+        else:
+            raise ValueError(f"params: expected a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(params).__name__}")
         ids = [self.encode_prompt(p) for p in prompts]
-        for x in ids:
-            self.engine.validate(x, params)
+        for x, q in zip(ids, per_prompt):
+            self.engine.validate(x, q)
         rids = []
-        for x in ids:
+        for x, q in zip(ids, per_prompt):
             rids.append(self._new_id())
-            self.engine.add_request(rids[-1], x, params, prompt_logprobs=prompt_logprobs)
+            self.engine.add_request(rids[-1], x, q, prompt_logprobs=prompt_logprobs)
         results = {rid: RequestOutput(p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None, x,
-                                      [CompletionOutput(j, logprobs=[] if params.logprobs is not None else None)
-                                       for j in range(params.n)])
-                   for rid, p, x in zip(rids, prompts, ids)}
+                                      [CompletionOutput(j, logprobs=[] if q.logprobs is not None else None)
+                                       for j in range(q.n)])
+                   for rid, p, x, q in zip(rids, prompts, ids, per_prompt)}
         t0 = time.perf_counter()
         s0 = self.engine.stats()
         try:
@@ -245,3 +253,14 @@ def _is_token_id(t) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _as_list(x, what: str) -> list:
+    """``x`` as a list if it is an ordered sequence (list, tuple, 1-D+ tensor or array, other
+    iterables but sets); raises ValueError starting with ``what`` otherwise."""
+    if x is None or isinstance(x, (str, bytes, set, frozenset, dict)) or not isinstance(x, Iterable):
+        raise ValueError(f"{what}, got {type(x).__name__}")
+    try:
+        return list(x)
+    except TypeError:  # e.g. a 0-d tensor or array
+        raise ValueError(f"{what}, got a scalar {type(x).__name__}") from None

@@ -78,6 +78,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is None:  # as vLLM: no stop strings
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be a list")
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
