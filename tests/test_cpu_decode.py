@@ -129,3 +129,19 @@ def test_head_logits_of_other_heads_is_their_output():
     head = torch.nn.Linear(8, 5, bias=False)
     h = torch.randn(3, 8)
     torch.testing.assert_close(head_logits(head, h), head(h).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [64, 32])
+def test_cpu_rope_is_the_textbook_rotate_half_exactly(dtype, rot):
+    """rope_torch on the CPU (roll and signed sin) equals x * cos + cat(-x2, x1) * sin bit for bit,
+    full and partial rotary widths (the other dims passed through)."""
+    from memra.kernels.norm_rope import rope_torch
+
+    g = torch.Generator().manual_seed(rot)
+    x = torch.randn(3, 5, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(3, rot, generator=g).to(dtype) for _ in range(2))
+    xr = x[..., :rot]
+    ref = xr * cos[:, None] + torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], -1) * sin[:, None]
+    ref = torch.cat([ref, x[..., rot:]], -1)
+    assert torch.equal(rope_torch(x, cos, sin), ref)
