@@ -20,6 +20,19 @@ from .base import MODEL_REGISTRY, CausalLM
 __all__ = ["MODEL_REGISTRY", "CausalLM", "load_gguf_model", "load_hf_model", "load_model"]
 
 
+def _build(from_ckpt, ckpt, config: ModelConfig, dtype: torch.dtype, progress: bool, device):
+    """``from_ckpt(ckpt, ...)`` (a model class's ``from_gguf`` / ``from_hf``), then the CPU kernel forms
+    (CPU loads only); the checkpoint's staging readers are closed whatever happens."""
+    try:
+        with torch.no_grad():
+            model = from_ckpt(ckpt, config, dtype, progress=progress, device=device)
+            if device is None:
+                model.build_cpu(progress)
+    finally:
+        ckpt.release_staging()
+    return model.eval(), ckpt
+
+
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     ckpt: GGUFCheckpoint | None = None, progress: bool = False,
                     device: torch.device | str | None = None) -> tuple[CausalLM, GGUFCheckpoint]:
@@ -35,14 +48,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     ckpt = ckpt or read_gguf(path)
     config = ModelConfig.from_gguf(ckpt.metadata, set(ckpt.infos), where=str(ckpt.path))
     cls = MODEL_REGISTRY[config.arch]
-    try:
-        with torch.no_grad():
-            model = cls.from_gguf(ckpt, config, dtype, progress=progress, device=device)
-            if device is None:
-                model.build_cpu(progress)
-    finally:
-        ckpt.release_staging()
-    return model.eval(), ckpt
+    return _build(cls.from_gguf, ckpt, config, dtype, progress, device)
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -64,14 +70,7 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     cls = MODEL_REGISTRY[config.arch]
     if not hasattr(cls, "from_hf"):
         raise ConfigError(f"{ckpt.path}: architecture {config.arch!r} has no safetensors loader yet")
-    try:
-        with torch.no_grad():
-            model = cls.from_hf(ckpt, config, dtype, progress=progress, device=device)
-            if device is None:
-                model.build_cpu(progress)
-    finally:
-        ckpt.release_staging()
-    return model.eval(), ckpt
+    return _build(cls.from_hf, ckpt, config, dtype, progress, device)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
