@@ -180,11 +180,15 @@ def _twins(v: int, device: str = "cpu"):
     return out
 
 
-def test_batched_device_sampler_draws_what_the_host_sampler_draws():
-    """sample_rows (the GPU runner's batched draw, here on the CPU) gives each row the token its own
-    Sampler.sample gives from the same logits and seed, step after step; a row's token does not
-    depend on the other rows of the batch (each consumes one uniform of its own generator)."""
+def test_batched_device_sampler_draws_what_the_host_sampler_draws(monkeypatch):
+    """sample_rows (the GPU runner's batched draw, here on the CPU, in chunks of 5 rows) gives each
+    row the token its own Sampler.sample gives from the same logits and seed, step after step; a
+    row's token does not depend on the other rows of the batch (each consumes one uniform of its
+    own generator)."""
+    from memra.engine import sampling
     from memra.engine.sampling import sample_rows
+
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", 5)
 
     v = 300
     pairs = _twins(v)
@@ -227,6 +231,22 @@ def test_batched_sampler_respects_the_filters_and_the_distribution():
     assert torch.all(freq[probs == 0] == 0)
     mp = filtered_probs(x, one(1.0), torch.tensor([0]), one(1.0), one(0.3))[0]
     assert torch.equal(mp > 0, torch.softmax(x[0].double(), 0) >= 0.3 * torch.softmax(x[0].double(), 0).max())
+
+
+def test_batched_sampler_refuses_rows_without_a_finite_maximum():
+    """A row with NaN or +inf logits reports that maximum, so Sampler.take raises as the host sampler
+    does (instead of recording the token a NaN cumulative sum happens to point at)."""
+    from memra.engine.sampling import sample_rows
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.tensor([[1.0, bad, 0.5, 2.0], [1.0, 3.0, 0.5, 2.0]])
+        pairs = [Sampler(SamplingParams(temperature=1.0, seed=i), [], 4) for i in range(2)]
+        (t0, l0), (t1, l1) = sample_rows(logits, pairs)
+        with pytest.raises(ValueError, match="no finite logit"):
+            pairs[0].take(t0, l0)
+        with pytest.raises(ValueError, match="no finite logit"):
+            Sampler(SamplingParams(temperature=1.0, seed=0), [], 4).sample(logits[0])
+        pairs[1].take(t1, l1)  # the healthy row of the same batch is fine
 
 
 def test_batchable_excludes_what_only_the_host_sampler_does():

@@ -179,16 +179,16 @@ class ModelRunner:
             off += n
         if rows:
             logits = self.model.logits(hid[torch.tensor(rows, device=self.device)]).float()
-            r, sample_rows, sample_reqs = 0, [], []
+            r, sampled_rows, sample_reqs = 0, [], []
             for kind, req, first, k in owners:
                 if kind == "prompt":
                     out.prompt[id(req)] = (first, logits[r:r + k].cpu())
                 elif kind == "verify":
                     out.verify[id(req)] = logits[r:r + k].cpu()
                 else:
-                    sample_rows.append(r)
+                    sampled_rows.append(r)
                     sample_reqs.append(req)
                 r += k
-            if sample_rows:
-                self._sample_rows(out, sample_reqs, logits[torch.tensor(sample_rows, device=logits.device)])
+            if sampled_rows:
+                self._sample_rows(out, sample_reqs, logits[torch.tensor(sampled_rows, device=logits.device)])
         return out

@@ -308,6 +308,11 @@ class Sampler:
         return result
 
 
+#: Rows :func:`sample_rows` filters at a time: its float64 temporaries are ~10 [rows, V] tensors
+#: (32 rows of a 152k vocabulary: ~0.4 GB).
+SAMPLE_CHUNK = 32
+
+
 def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> torch.Tensor:
     """The sampling distribution of each row of logits, as vLLM shapes it: temperature, then top-k,
@@ -333,14 +338,14 @@ def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
     use_k = (top_k > 0) & (top_k < v)
     use_p = top_p < 1.0
-    order = None
-    if bool(use_k.any()) or bool(use_p.any()):
-        sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        kth = sx.gather(1, (top_k.clamp(1, v) - 1)[:, None])
+    if bool(use_k.any()):  # the k-th largest value of each row from one topk (no full sort)
+        k_max = int(top_k[use_k].max())
+        kth = torch.topk(x, k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
         x = x.masked_fill(use_k[:, None] & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if bool(use_p.any()):
-        sp = probs.gather(1, order)  # in the logits' order: probs are monotone in them
+        # stable: of exactly tied tokens at the nucleus boundary the lowest ids are kept
+        sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sp, dim=-1) - sp  # mass strictly above each token
         drop = use_p[:, None] & (before >= top_p[:, None])
         drop[:, 0] = False
@@ -372,6 +377,15 @@ def sample_rows(logits: torch.Tensor, samplers: list[Sampler]) -> list[tuple[int
     top_p = torch.tensor([p.top_p for p in ps], dtype=f64)
     min_p = torch.tensor([p.min_p for p in ps], dtype=f64)
     u = torch.tensor([s.draw() for s in samplers], dtype=f64)
-    tok = inverse_cdf(filtered_probs(logits, temperature, top_k, top_p, min_p), u)
+    toks = []
+    for a in range(0, len(ps), SAMPLE_CHUNK):  # bounds the float64 [rows, V] temporaries
+        b = a + SAMPLE_CHUNK
+        toks.append(inverse_cdf(filtered_probs(logits[a:b], temperature[a:b], top_k[a:b], top_p[a:b], min_p[a:b]),
+                                u[a:b]))
+    tok = torch.cat(toks)
     chosen = logits.gather(1, tok[:, None])[:, 0].float()
+    # a row without a finite maximum (NaN / inf logits) reports that maximum, so take() raises as
+    # the host sampler does, instead of recording whatever token the NaN cumulative sum pointed at
+    top = logits.amax(dim=-1).float()
+    chosen = torch.where(torch.isfinite(top), chosen, top)
     return list(zip(tok.tolist(), chosen.tolist()))
