@@ -34,6 +34,14 @@ READ_THREADS = min(4, os.cpu_count() or 1)
 READ_SPLIT_MIN = 8 << 20
 
 
+def _resolve(device: torch.device | str) -> torch.device:
+    """``device`` with a bare "cuda" made the current GPU (readers are kept per concrete device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DeviceReader:
     """Reads byte ranges of files into uint8 tensors on ``device``.
 
@@ -50,9 +58,7 @@ class DeviceReader:
     """
 
     def __init__(self, device: torch.device | str, chunk: int = STAGING_CHUNK):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _resolve(device)
         if chunk < 1:
             raise ValueError(f"DeviceReader: chunk = {chunk} bytes, must be >= 1")
         self.chunk = chunk
@@ -160,9 +166,7 @@ class StagingReaders:
 
     def read(self, device: torch.device | str, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
         """:meth:`DeviceReader.read` through ``device``'s reader ("cuda" means the current GPU)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _resolve(device)
         reader = self._readers.get(device)
         if reader is None:
             reader = self._readers[device] = DeviceReader(device)

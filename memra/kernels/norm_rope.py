@@ -44,18 +44,18 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (y * weight.float()).to(x.dtype)
 
 
-_ROTATE_HALF: dict[tuple, torch.Tensor] = {}
+_HALF_SIGNS: dict[tuple, torch.Tensor] = {}
 
 
 def _half_signs(rot: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[-1] * (rot / 2) + [1] * (rot / 2): ``roll(x, rot / 2) * signs = rotate_half(x) = cat(-x2, x1)``
     (cached per shape, dtype, device; callers must not modify it)."""
     key = (rot, dtype, device)
-    if key not in _ROTATE_HALF:
+    if key not in _HALF_SIGNS:
         half = rot // 2
-        _ROTATE_HALF[key] = torch.cat([-torch.ones(half, dtype=dtype, device=device),
+        _HALF_SIGNS[key] = torch.cat([-torch.ones(half, dtype=dtype, device=device),
                                        torch.ones(rot - half, dtype=dtype, device=device)])
-    return _ROTATE_HALF[key]
+    return _HALF_SIGNS[key]
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

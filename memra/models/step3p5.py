@@ -389,9 +389,6 @@ class GGUFStep35Weights(HFWeights):
         self.used: set[str] = set()
         self.loaded_bytes = 0
 
-    def total_bytes(self) -> int:
-        return self.ckpt.total_bytes()
-
     def __contains__(self, name: str) -> bool:
         g = gguf_tensor_name(name)
         return g is not None and g in self.ckpt
