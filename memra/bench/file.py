@@ -276,6 +276,8 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def add_file_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``memra bench file`` (the file, prompt / decode lengths, repetitions, the
+    llama-bench executable, the Triton cache, the device, the JSON output) on ``p``."""
     p.add_argument("path", help="a GGUF file (e.g. memra convert synth --geometry full --layers 12 ...)")
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens for TTFT / prefill")
     p.add_argument("--gen", type=int, default=128, help="decode tokens at batch 1")

@@ -173,6 +173,7 @@ class StagingReaders:
         return reader.read(path, offset, nbytes)
 
     def close(self) -> None:
+        """Close every reader (waits for their queued copies); the next read opens a new one."""
         readers, self._readers = list(self._readers.values()), {}
         for r in readers:
             r.close()
