@@ -30,6 +30,7 @@ if [ ! -f "$F" ]; then
 fi
 ls -la "$F"
 if [ -n "${BUILD:-}" ]; then wait $BUILD; cat "$OUT/llama-build-time.txt"; tail -3 "$OUT/llama-build.log"; fi
+python3 -X importtime -c "import memra.engine.engine, memra.bench.file; from memra import LLM" 2> "$OUT/importtime.log"
 ARGS=()
 [ -x "$LB" ] && ARGS=(--llama-bench "$LB")
 python3 -m memra bench file "$F" "${ARGS[@]}" --json-out "$OUT/file-bench-h200.json" "$@" 2>&1 | tee "$OUT/file-bench.log"

@@ -356,6 +356,14 @@ def test_device_reader_streams_through_pinned_buffers(tmp_path, monkeypatch, thr
         assert torch.equal(r.read(q, 1, 4999).cpu(), data2[1:])  # a second file through the same buffers
         for off, n, t in outs:
             assert t.device.type == "cuda" and torch.equal(t.cpu(), data[off:off + n])
+        # work queued on the caller's stream right after a read (no host sync between) sees its
+        # bytes: the copies run on the reader's stream, the caller's stream waits for them
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            sums = [r.read(p, off, n).to(torch.int64).sum() for off, n in ((0, 1_000_003), (11, 500_000))]
+        side.synchronize()
+        assert [int(s) for s in sums] == [int(data[:1_000_003].to(torch.int64).sum()),
+                                          int(data[11:500_011].to(torch.int64).sum())]
 
 
 @pytest.mark.parametrize("arch", ["llama", "step35"])

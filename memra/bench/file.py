@@ -25,6 +25,7 @@ Output: a table of both engines and the ratios memra / llama.cpp, and ``--json-o
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -217,6 +218,9 @@ def run_from_args(a: argparse.Namespace) -> int:
                 print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
                 return 1
             runs.append(json.loads(lines[-1]))
+            if tmp is not None and len(runs) == 1:  # what the cold start compiled: cubins by kernel name
+                res["triton_compiled"] = dict(collections.Counter(
+                    f.stem for f in Path(tmp).rglob("*.cubin")).most_common())
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -263,6 +267,10 @@ def run_from_args(a: argparse.Namespace) -> int:
               f"load (ready) {ratios['load']:.2f}x the wall time")
     elif lc:
         print(f"llama.cpp failed: {lc.get('error', '')[-800:]}")
+    comp = res.get("triton_compiled")
+    if comp:
+        print(f"cold start compiled {sum(comp.values())} Triton kernels ({len(comp)} distinct): "
+              + ", ".join(f"{k} x{v}" for k, v in list(comp.items())[:12]))
     w = runs[1]
     print(f"TTFT first / second request: {m['ttft_s'][0] / m['ttft_s'][1]:.2f}x")
     print(f"second start{' (Triton cache warm)' if cuda else ''}: ready {w['ready_s']:.1f} s (weights {w['weights_s']:.1f} s), TTFT "

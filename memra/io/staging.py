@@ -8,6 +8,9 @@ pinned host-to-device copies on an H200 ~55 GB/s), instead of a pageable copy of
 Weights are then repacked into the kernels' layouts on the GPU
 (memra/layers/linear.py, memra/layers/moe.py: they pack tensors where they find them).
 
+The copies run on a stream of their own, so the upload of tensor i + 1 overlaps the packing
+kernels of tensor i on the caller's stream.
+
 On the CPU (and under the Triton interpreter, where tests run the GPU path on the CPU) the
 bytes are read into ordinary host memory with the same call.
 
@@ -68,6 +71,7 @@ class DeviceReader:
         self._done: list[torch.cuda.Event | None] = []
         self._next = 0  # the staging buffer the next chunk goes through (alternates across reads)
         self._pool: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None  # the copies' stream (CUDA; made with the buffers)
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -102,8 +106,11 @@ class DeviceReader:
     def read(self, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of ``path`` as a new uint8 tensor [nbytes] on the device.
 
-        On CUDA the copies are queued on the device's current stream (ordered before any later
-        work on it); a staging buffer is refilled only once its previous copy has finished."""
+        On CUDA the copies run on the reader's own copy stream, so they overlap whatever the
+        caller has queued (the packing of the previous tensor); the caller's current stream waits
+        for the last copy (work queued on it afterwards sees the bytes) and the tensor's memory is
+        recorded on it (not reused before that work is done). A staging buffer is refilled only
+        once its previous copy has left the host."""
         path = Path(path)
         if offset < 0 or nbytes < 0:
             raise ValueError(f"{path}: read of {nbytes} bytes at offset {offset}: both must be >= 0")
@@ -113,25 +120,31 @@ class DeviceReader:
                 self._pread_into(path, memoryview(out.numpy()), offset)
             self.bytes_read += nbytes
             return out.to(self.device)
-        with torch.cuda.device(self.device):  # events and copies on this device's stream, whatever is current
+        with torch.cuda.device(self.device):  # events and copies on this device, whatever is current
             if not self._bufs:
                 self._bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
                 self._done = [None, None]
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            pos = 0
-            while pos < nbytes:
-                n = min(self.chunk, nbytes - pos)
-                i = self._next
-                if self._done[i] is not None:
-                    self._done[i].synchronize()  # this buffer's previous copy has left the host
-                b = self._bufs[i]
-                self._pread_into(path, memoryview(b.numpy())[:n], offset + pos)
-                out[pos:pos + n].copy_(b[:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-                self._done[i] = ev
-                self._next = 1 - i
-                pos += n
+                self._stream = torch.cuda.Stream(self.device)
+            consumer = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._stream):
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # the copy stream's memory
+                pos, ev = 0, None
+                while pos < nbytes:
+                    n = min(self.chunk, nbytes - pos)
+                    i = self._next
+                    if self._done[i] is not None:
+                        self._done[i].synchronize()  # this buffer's previous copy has left the host
+                    b = self._bufs[i]
+                    self._pread_into(path, memoryview(b.numpy())[:n], offset + pos)
+                    out[pos:pos + n].copy_(b[:n], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    self._done[i] = ev
+                    self._next = 1 - i
+                    pos += n
+            if ev is not None:
+                consumer.wait_event(ev)
+            out.record_stream(consumer)
         self.bytes_read += nbytes
         return out
 
@@ -142,7 +155,7 @@ class DeviceReader:
                 if ev is not None:
                     ev.synchronize()
         finally:
-            self._bufs, self._done = [], []
+            self._bufs, self._done, self._stream = [], [], None
             for fd in self._fds.values():
                 os.close(fd)
             self._fds = {}
