@@ -110,3 +110,11 @@ def hf_tokenizer(gguf_path) -> _PerKey:
         return backend
 
     return _PerKey(build)
+
+
+@pytest.fixture
+def torch_cpu_paths(monkeypatch):
+    """Pin the CPU layers to their torch paths (memra/kernels/cpu_native.py off) for this test."""
+    from memra.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "ENABLED", False)

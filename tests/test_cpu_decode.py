@@ -77,7 +77,7 @@ def test_decode_steps_match_one_prefill(dtype):
         assert agree >= 0.9, agree
 
 
-def test_head_logits_rescores_the_top_candidates_exactly():
+def test_head_logits_rescores_the_top_candidates_exactly(torch_cpu_paths):
     """The int4 head's top-k logits are the fp32 dot products with the dequantized rows; the rest are
     the kernel's; the argmax is then the fp32 head's on the same hidden state."""
     from test_linear import random_q4
@@ -99,7 +99,7 @@ def test_head_logits_rescores_the_top_candidates_exactly():
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
 
 
-def test_int4_needs_the_packers_row_granularity_and_builds_lazily():
+def test_int4_needs_the_packers_row_granularity_and_builds_lazily(torch_cpu_paths):
     """The int4 packer takes a multiple of 16 rows (digits x out_features): other layers stay dense
     (a 32002-row Q8_0 head loads); a layer moved to its GPU form never builds the CPU forms."""
     from test_linear import random_q4

@@ -43,7 +43,7 @@ def test_int4_digits_are_exact(qtype):
 
 @pytest.mark.parametrize("qtype", AFFINE, ids=lambda q: q.name)
 @pytest.mark.parametrize("t", [1, 5, 20])  # 20 rows: the dense bf16 GEMM (INT4_MAX_ROWS)
-def test_int4_kernel_matches_dequantized_reference(qtype, t):
+def test_int4_kernel_matches_dequantized_reference(qtype, t, torch_cpu_paths):
     parts = [random_q4(qtype, 96, 256, 1), random_q4(qtype, 64, 256, 2)]  # fused rows, like gate+up
     bias = torch.randn(160)
     lin = Linear(parts, bias, torch.bfloat16)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels import cpu_native
 from ..layers.attention import attention, decode_attention, visibility_mask
 from .block_manager import NULL_BLOCK, KVGroupSpec
 
@@ -73,6 +74,8 @@ class ContiguousKVCache:
         self.v[layer][start:end] = v
         lo = 0 if window is None else max(0, start - window + 1)
         if t == 1 and q.device.type == "cpu":  # every key in lo..end is visible to the one query
+            if cpu_native.enabled() and self.k[layer].dtype == torch.float32:
+                return cpu_native.decode_attention(q, self.k[layer], self.v[layer], scale, start=lo, length=end - lo)
             return decode_attention(q, self.k[layer][None, lo:end], self.v[layer][None, lo:end], None, scale)
         return attention(q, self.k[layer][lo:end], self.v[layer][lo:end], self.positions[start:end],
                          self.positions[lo:end], window, scale)
@@ -203,7 +206,8 @@ class PagedBatch:
                     idx[r, :len(keys[i])] = keys[i]
                     valid[r, :len(keys[i])] = True
                 rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
-                decode = (rows.to(dev), idx.to(dev), None if bool(valid.all()) else valid.to(dev))
+                lens = torch.tensor([len(keys[i]) for i in dec], dtype=torch.long)
+                decode = (rows.to(dev), idx.to(dev), None if bool(valid.all()) else valid.to(dev), lens)
             prefill = []
             for i, c in enumerate(chunks):
                 if c.num_new == 1:
@@ -246,8 +250,11 @@ class PagedBatch:
         vc[slots] = v.to(vc.dtype)
         out = torch.empty_like(q)
         if decode is not None:
-            rows, idx, valid = decode
-            out[rows] = decode_attention(q[rows], kc[idx], vc[idx], valid, scale)  # valid None: no padding
+            rows, idx, valid, lens = decode
+            if cpu_native.enabled() and kc.dtype == torch.float32 and kc.device.type == "cpu":
+                out[rows] = cpu_native.decode_attention(q[rows], kc, vc, scale, slots=idx, lens=lens)  # no gather
+            else:
+                out[rows] = decode_attention(q[rows], kc[idx], vc[idx], valid, scale)  # valid None: no padding
         for off, n, ks, mask in prefill:
             o = F.scaled_dot_product_attention(
                 q[off:off + n].transpose(0, 1)[None], kc[ks].transpose(0, 1)[None].to(q.dtype),

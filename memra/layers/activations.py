@@ -58,6 +58,9 @@ class GatedMLP(KernelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels and self.act == "silu":
             return self.down(fused_swiglu(self.gate_up(x), self.limit))
+        if self.act == "silu" and not self.part_sizes and isinstance(self.gate_up, Linear) and \
+                self.gate_up.native_rows(x):
+            return self.down(self.gate_up.swiglu(x, self.limit))  # SwiGLU fused into the native GEMV
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         if self.part_sizes and len(self.part_sizes) > 1:
             return self.down(torch.cat([self._act(g, u) for g, u in zip(gate.split(self.part_sizes, -1),

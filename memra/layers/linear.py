@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_native
 from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
 from ..quant.dequant import AFFINE32_BITS
 from ..quant.tensor import QTensor
@@ -67,6 +68,9 @@ def int4_digits(parts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     return codes.to(torch.int32), torch.stack([scale.t(), zero.t()], -1), digits
 
 
+#: Rows of x up to which the native kernel runs; more rows (prefill) take the dense bf16 GEMM.
+NATIVE_MAX_ROWS = 4
+
 #: Rows of x up to which the CPU's int4 kernel runs; more rows (prefill) take the dense bf16 GEMM.
 #: The int4 kernel's time grows linearly with the rows, the GEMM's far slower: on the 2-core CI
 #: CPU (torch 2.13) at [3072, 576] int4 / dense are 0.06 / 0.11 ms at 1 row, 0.10 / 0.13 at 4,
@@ -90,6 +94,11 @@ class Linear(KernelLayer):
     - ``"dense"``: the weight dequantized once into ``dtype``. fp32 is stored [in, out]
       (x @ W^T streams ~30% faster that way at decode widths); bf16 [out, in] (oneDNN).
       Also held next to the int4 codes: inputs of more than :data:`INT4_MAX_ROWS` rows take it.
+    - ``"native"``: bf16 with every part in a format memra's native CPU kernels read (Q4_0, Q4_1,
+      Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K; memra/kernels/cpu_native.py): at decode (up to
+      :data:`NATIVE_MAX_ROWS` rows) the weight stays in 4-bit or int8 codes and the activations
+      are quantized to int8 per 32 values (llama.cpp's q8_1 scheme): integer dot products.
+      Prefill takes the dense bf16 GEMM. Chosen over ``"int4"`` where the kernels compiled.
     - ``"int4"``: bf16 with every part in a per-32 affine format (Q4_0/Q4_1/Q4_K: one 4-bit
       digit; Q5_0/Q5_1/Q5_K/Q8_0: two, :func:`int4_digits`): torch's int4 group-wise CPU kernel
       (``_weight_int4pack_mm_for_cpu``, group 32) reads the packed codes directly: at decode
@@ -122,7 +131,8 @@ class Linear(KernelLayer):
         int4 = (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
                 and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0
                 and self.digits * self.out_features % 16 == 0)  # the int4 packer's row granularity
-        self.kernel = "int4" if int4 else "dense"
+        native = dtype == torch.bfloat16 and cpu_native.packable(parts) and cpu_native.enabled()
+        self.kernel = "native" if native else "int4" if int4 else "dense"
         self.transposed = dtype == torch.float32 and self.kernel == "dense"
         self._built = False  # the CPU forms are built on first use (a layer bound for a GPU never needs them)
 
@@ -134,6 +144,8 @@ class Linear(KernelLayer):
         if self.kernel == "gpu" or self._built:
             return self
         parts = self.qweights
+        if self.kernel == "native":
+            self.native = cpu_native.pack_weight(parts)
         if self.kernel == "int4":
             codes, scale_zero, _ = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
@@ -166,6 +178,7 @@ class Linear(KernelLayer):
         for name in ("stored", "packed", "scale_zero"):
             if name in self._buffers:
                 delattr(self, name)
+        self.__dict__.pop("native", None)
         self.qweights = []
         if self.bias is not None:
             self.bias = self.bias.to(device, dtype)
@@ -209,6 +222,22 @@ class Linear(KernelLayer):
             out += y[:, j * n:(j + 1) * n]
         return out.to(y.dtype)
 
+    def native_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` [..., in_features] goes through the native kernel (few enough rows)."""
+        return self.kernel == "native" and x.numel() <= NATIVE_MAX_ROWS * self.in_features
+
+    def swiglu(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """silu(gate) * up of this gate+up projection (rows [gate | up]) in one native call, SwiGLU
+        fused into the GEMV (fp32, one rounding; ``limit``: Step-3.5's clamp): [T, I] in ``dtype``.
+        Only where :meth:`native_rows`. Raises ValueError otherwise."""
+        if not self.native_rows(x):
+            raise ValueError(f"Linear.swiglu: the native kernel does not take this input ({self.kernel}, "
+                             f"{tuple(x.shape)})")
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        return cpu_native.gemv(x.reshape(-1, self.in_features), self.native, self.bias, mode=cpu_native.MODE_SWIGLU,
+                               limit=limit).reshape(*x.shape[:-1], -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "gpu":
             return gpu_linear(x, self.packed_weight, self.bias)
@@ -216,6 +245,8 @@ class Linear(KernelLayer):
             self.build()
         if x.dtype != self.dtype:  # the CPU's fp32 residual stream (memra/layers/norm.py) feeding a bf16 layer
             x = x.to(self.dtype)
+        if self.native_rows(x):
+            return cpu_native.gemv(x.reshape(-1, self.in_features), self.native, self.bias).reshape(*x.shape[:-1], -1)
         if self.kernel == "int4" and x.numel() <= INT4_MAX_ROWS * self.in_features:
             y = self._int4(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         elif not self.transposed:
@@ -240,7 +271,7 @@ def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) 
     paths return ``head(hidden).float()``.
     """
     y = head(hidden).float()
-    if (not isinstance(head, Linear) or head.kernel not in ("int4", "dense") or head.dtype == torch.float32
+    if (not isinstance(head, Linear) or head.kernel not in ("native", "int4", "dense") or head.dtype == torch.float32
             or len(head.qweights) != 1):
         return y
     q = head.qweights[0]

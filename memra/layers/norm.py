@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu_native
 from ..kernels.norm_rope import rms_norm as fused_rms_norm
 from ..kernels.norm_rope import rms_norm_torch
 from .device import KernelLayer
@@ -18,6 +19,10 @@ from .device import KernelLayer
 __all__ = ["rms_norm", "RMSNorm"]
 
 rms_norm = rms_norm_torch  # RMS-normalise the last dimension of x [..., D], scale by weight [D]
+
+#: Rows up to which a bf16 CPU norm takes the native kernel (one call; prefill keeps torch's
+#: multi-threaded F.rms_norm).
+NATIVE_NORM_MAX_ROWS = 16
 
 
 class RMSNorm(KernelLayer):
@@ -49,5 +54,7 @@ class RMSNorm(KernelLayer):
         if x.device.type != "cpu":  # e.g. tensor-parallel GPU shards (torch, not the fused kernel)
             s = x if residual is None else x + residual
             return rms_norm_torch(s, self.weight, self.eps), s
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= NATIVE_NORM_MAX_ROWS and cpu_native.enabled():
+            return cpu_native.rms_norm_add(x, self.weight, self.eps, residual)  # the fast mode's decode: one call
         s = x.float() if residual is None else residual + x  # residual: fp32
         return rms_norm_torch(s, self.weight, self.eps).to(x.dtype), s

@@ -34,7 +34,7 @@ __all__ = ["shard_model"]
 
 
 def _dense(linear) -> torch.Tensor:
-    if linear.kernel != "dense" and linear.kernel != "int4":
+    if linear.kernel not in ("dense", "int4", "native"):
         raise ValueError(f"shard_model: the layer is on its {linear.kernel!r} path; shard the CPU model before "
                          f"moving it to a device")
     return linear.weight.contiguous()

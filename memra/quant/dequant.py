@@ -24,6 +24,7 @@ from .types import QTYPE_INFO, QType, UnsupportedQTypeError
 
 __all__ = [
     "AFFINE32_BITS",
+    "q6_k_parts",
     "affine32",
     "dequantize_blocks",
     "quantize_q8_0",
@@ -251,15 +252,34 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     (qh[l] >> 2k) & 3. Value: ``(d * scale) * (q - 32)`` (``dequantize_row_q6_K``).
     """
     n = blocks.shape[0]
+    q, ds = _q6_k_codes(blocks)
+    return (ds.unsqueeze(-1) * q.to(torch.float32)).reshape(n, QK_K)
+
+
+def _q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [n, 210] -> (signed codes q - 32, int8 [n, 16, 16]; d * scale fp32 [n, 16])."""
+    n = blocks.shape[0]
     d = _f16(blocks, 208)
-    scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    ds = (d * scales).unsqueeze(-1)  # [n, 16, 1]
+    ds = d * blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [n, 16]
     lo, hi = _nibbles(blocks[:, 0:128].reshape(n, 2, 1, 64))
     ql = torch.cat([lo, hi], dim=2).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
     qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).to(torch.float32) - 32.0
-    return (ds * q.reshape(n, 16, 16)).reshape(n, QK_K)
+    q = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8)
+    return q.reshape(n, 16, 16), ds
+
+
+def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K raw bytes (uint8, whole 210-byte blocks) -> (codes int8 [n] in -32 .. 31, scale fp32
+    [n / 16]) with weight i equal to ``scale[i // 16] * codes[i]`` (``dequantize_row_q6_K``).
+
+    Raises: ValueError for anything but 1-D uint8 whole blocks."""
+    size = QTYPE_INFO[QType.Q6_K].type_size
+    if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() % size:
+        raise ValueError(f"q6_k_parts: raw must be 1-D uint8 whole {size}-byte blocks, got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    q, ds = _q6_k_codes(raw.contiguous().view(-1, size))
+    return q.reshape(-1), ds.reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,464 @@
+/* memra's native CPU decode kernels: quantized GEMV with int8 activations.
+ *
+ * Compiled on first use by memra/kernels/cpu_native.py (cc -O3 -fopenmp, -mavx2 -mfma -mf16c
+ * where the CPU has them) and called through ctypes; the torch twins of every function are in
+ * that module and the tests compare them on random data.
+ *
+ * Weight formats (packed at load by cpu_native.pack_weight, row-major [N rows, K columns]):
+ *   FMT_U4: 4-bit unsigned codes, 16 bytes per 32 weights (byte j of a block holds weight j in
+ *           its low nibble and weight j + 16 in its high nibble, the GGUF Q4_0 order);
+ *           w = scale * code + offset, one fp16 scale and offset per 32 weights.
+ *   FMT_S8: int8 codes, 32 bytes per 32 weights; w = scale * code (+ offset), one fp16 scale
+ *           per WB weights (WB = 32 or 16, Q6_K's sub-blocks) and, when offsets are given, one
+ *           fp16 offset per 32 weights (WB = 32 only).
+ * Activations are quantized per 32 values as llama.cpp's q8_1 does (ggml-quants.c
+ * quantize_row_q8_1; the math only): d = max|x| / 127, q = round-half-even(x / d) with
+ * x / d computed as x * (1 / d), and per block d * sum(q) kept for the offset term. Then
+ *   y[t, n] = sum_b [ scale_nb * d_tb * dot(code_nb, q_tb) + offset_nb * d_tb * sum(q_tb) ] (+ bias)
+ * with exact integer dot products (AVX2: maddubs / madd, |products| < 2^15 per pair).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MEMRA_AVX2 1
+#endif
+
+#define FMT_U4 0
+#define FMT_S8 1
+#define MODE_STORE 0   /* y = W x (+ bias) */
+#define MODE_SWIGLU 1  /* rows [gate (N/2) | up (N/2)]: y[:, i] = silu(g_i) * u_i, [T, N/2] */
+
+int memra_has_avx2(void) {
+#ifdef MEMRA_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef MEMRA_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do { e++; man <<= 1; } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_x(const void *x, int bf16, long i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* One 32-value block: q[32], returns d; *ds = d * sum(q). */
+static inline float quantize_block(const void *x, int bf16, long base, int8_t *q, float *ds) {
+    float v[32], amax = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        v[i] = load_x(x, bf16, base + i);
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; i++) {
+        int qi = (int)nearbyintf(v[i] * id);
+        q[i] = (int8_t)qi;
+        sum += qi;
+    }
+    *ds = d * (float)sum;
+    return d;
+}
+
+/* Quantize T rows of K values (K % 32 == 0): q [T K], d and ds [T nbp] (blocks past K / 32 zero). */
+void memra_quantize_q8(const void *x, int bf16, int T, int K, int nbp, int8_t *q, float *d, float *ds) {
+    for (long t = 0; t < T; t++)
+        for (long b = 0; b < nbp; b++) {
+            long i = t * nbp + b;
+            if (b < K / 32) d[i] = quantize_block(x, bf16, t * K + b * 32, q + t * K + b * 32, ds + i);
+            else d[i] = ds[i] = 0.0f;
+        }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* row dot products                                                                          */
+/* Scale and offset rows are padded to a multiple of 8 blocks (zeros): a row's blocks go in   */
+/* chunks of 8, whose scales are converted and multiplied by the activation scales 8 at once. */
+
+typedef struct {
+    const uint8_t *codes;    /* [N, K / 2] (U4) or [N, K] (S8) */
+    const uint16_t *scales;  /* fp16 [N, NBP * 32 / wb] */
+    const uint16_t *offsets; /* fp16 [N, NBP] or NULL */
+    int fmt, wb, K, nbp;     /* nbp: blocks of 32 per row rounded up to a multiple of 8 */
+} weight_t;
+
+#ifdef MEMRA_AVX2
+static inline __m256i unpack_u4(const uint8_t *p) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+/* 8 int32 partial sums (lane l: weights 4l .. 4l + 3) of u8 codes w times s8 activations q. */
+static inline __m256i dot_u8s8(__m256i w, __m256i q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, q);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, q);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+#endif
+}
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define MEMRA_VNNI 1
+#endif
+/* s8 codes: |c| times q with c's sign (maddubs pairs stay below 2^15) */
+static inline __m256i dot_s8s8(__m256i w, __m256i q) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w)); }
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+
+int memra_has_vnni(void) {
+#ifdef MEMRA_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out[t] = row r of W times activation t, for TT tokens (TT a literal at every call: unrolled).
+ * q: int8 [TT, K]; d, ds: [TT, nbp] (activation scale and scale * sum(q) per block, zero-padded). */
+static inline __attribute__((always_inline)) void row_dot(const weight_t *w, long r, int TT, const int8_t *q,
+                                                          const float *d, const float *ds, float *out) {
+    const int K = w->K, nb = K / 32, nbp = w->nbp, spb = 32 / w->wb;
+    const uint16_t *sc = w->scales + r * (long)nbp * spb;
+    const uint16_t *of = w->offsets ? w->offsets + r * (long)nbp : NULL;
+    const uint8_t *cr = w->codes + r * (long)(w->fmt == FMT_U4 ? K / 2 : K);
+#ifdef MEMRA_AVX2
+    __m256 acc[4][2], offv[4];
+    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = offv[t] = _mm256_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        float cs[4][16] __attribute__((aligned(32)));
+        if (spb == 1) {
+            __m256 s8 = load_f16x8(sc + b0);
+            __m256 e8 = of ? load_f16x8(of + b0) : _mm256_setzero_ps();
+            for (int t = 0; t < TT; t++) {
+                _mm256_store_ps(cs[t], _mm256_mul_ps(s8, _mm256_loadu_ps(d + t * nbp + b0)));
+                offv[t] = _mm256_fmadd_ps(e8, _mm256_loadu_ps(ds + t * nbp + b0), offv[t]);
+            }
+        } else { /* a scale per 16: sub-block 2j and 2j + 1 of block j share d[j] (S8, no offsets) */
+            __m256 s_lo = load_f16x8(sc + 2 * b0), s_hi = load_f16x8(sc + 2 * b0 + 8);
+            const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+            for (int t = 0; t < TT; t++) {
+                __m256 d8 = _mm256_loadu_ps(d + t * nbp + b0);
+                _mm256_store_ps(cs[t], _mm256_mul_ps(s_lo, _mm256_permutevar8x32_ps(d8, lo)));
+                _mm256_store_ps(cs[t] + 8, _mm256_mul_ps(s_hi, _mm256_permutevar8x32_ps(d8, hi)));
+            }
+        }
+        const int jn = nb - b0 < 8 ? nb - b0 : 8;
+        /* blocks in pairs: at one token the pair feeds two accumulators (the FMA latency); the
+         * accumulators are indexed by literals only, so they stay in registers */
+#define MEMRA_BLOCK(J, A)                                                                                      \
+    do {                                                                                                       \
+        const int b = b0 + (J);                                                                                \
+        __m256i wv = w->fmt == FMT_U4 ? unpack_u4(cr + b * 16) : _mm256_loadu_si256((const __m256i *)(cr + b * 32)); \
+        for (int t = 0; t < TT; t++) {                                                                         \
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + (long)t * K + (long)b * 32));               \
+            __m256i p = w->fmt == FMT_U4 ? dot_u8s8(wv, qv) : dot_s8s8(wv, qv);                                \
+            __m256 s = spb == 1 ? _mm256_broadcast_ss(&cs[t][J])                                               \
+                                : _mm256_set_m128(_mm_broadcast_ss(&cs[t][2 * (J) + 1]), _mm_broadcast_ss(&cs[t][2 * (J)])); \
+            acc[t][A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[t][A]);                                  \
+        }                                                                                                      \
+    } while (0)
+        int j = 0;
+        for (; j + 1 < jn; j += 2) {
+            MEMRA_BLOCK(j, 0);
+            MEMRA_BLOCK(j + 1, TT == 1 ? 1 : 0);
+        }
+        if (j < jn) MEMRA_BLOCK(j, 0);
+#undef MEMRA_BLOCK
+    }
+    for (int t = 0; t < TT; t++) out[t] = hsum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), offv[t]));
+#else
+    float acc[4] = {0, 0, 0, 0}, off[4] = {0, 0, 0, 0};
+    for (int b = 0; b < nb; b++) {
+        int8_t wq[32];
+        if (w->fmt == FMT_U4) {
+            const uint8_t *p = cr + b * 16;
+            for (int j = 0; j < 16; j++) { wq[j] = (int8_t)(p[j] & 15); wq[j + 16] = (int8_t)(p[j] >> 4); }
+        } else {
+            memcpy(wq, cr + b * 32, 32);
+        }
+        float o = of ? f16_to_f32(of[b]) : 0.0f;
+        for (int t = 0; t < TT; t++) {
+            const int8_t *qb = q + (long)t * K + (long)b * 32;
+            float db = d[t * nbp + b];
+            for (int h = 0; h < spb; h++) {
+                int s = 0;
+                for (int j = h * w->wb; j < (h + 1) * w->wb; j++) s += (int)wq[j] * (int)qb[j];
+                acc[t] += f16_to_f32(sc[b * spb + h]) * db * (float)s;
+            }
+            off[t] += o * ds[t * nbp + b];
+        }
+    }
+    for (int t = 0; t < TT; t++) out[t] = acc[t] + off[t];
+#endif
+}
+
+/* Prefetch row r's codes, scales and offsets (decode reads each weight once: the rows stream from
+ * the last-level cache or DRAM, and the hardware prefetcher alone leaves the loads waiting). */
+static inline void prefetch_row(const weight_t *w, long r) {
+#if defined(__GNUC__)
+    const long cb = w->fmt == FMT_U4 ? w->K / 2 : w->K, sb = (long)w->nbp * (32 / w->wb) * 2;
+    const char *c = (const char *)(w->codes + r * cb);
+    for (long i = 0; i < cb; i += 64) __builtin_prefetch(c + i, 0, 1);
+    const char *sc = (const char *)(w->scales) + r * sb;
+    for (long i = 0; i < sb; i += 64) __builtin_prefetch(sc + i, 0, 1);
+    if (w->offsets) {
+        const char *of = (const char *)(w->offsets) + r * (long)w->nbp * 2;
+        for (long i = 0; i < (long)w->nbp * 2; i += 64) __builtin_prefetch(of + i, 0, 1);
+    }
+#endif
+}
+#define PREFETCH_ROWS 12
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static inline void store(void *y, int y_bf16, long i, float v) {
+    if (y_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
+/* Rows [r0, r1) for the tokens t0 .. t0 + TT - 1. */
+static inline __attribute__((always_inline)) void rows_block(const weight_t *w, int TT, long r0, long r1, int t0,
+                                                             const int8_t *q, const float *d, const float *ds,
+                                                             const float *bias, void *y, int y_bf16,
+                                                             long N, int mode, float limit) {
+    const int8_t *qt = q + (long)t0 * w->K;
+    const float *dt = d + (long)t0 * w->nbp, *dst = ds + (long)t0 * w->nbp;
+    float a[4], b[4];
+    const long I = N / 2;
+    for (long r = r0; r < r0 + PREFETCH_ROWS && r < r1; r++) { /* the first rows' prefetch */
+        prefetch_row(w, r);
+        if (mode == MODE_SWIGLU) prefetch_row(w, r + I);
+    }
+    if (mode == MODE_SWIGLU) {
+        for (long i = r0; i < r1; i++) {
+            if (i + PREFETCH_ROWS < r1) { prefetch_row(w, i + PREFETCH_ROWS); prefetch_row(w, i + I + PREFETCH_ROWS); }
+            row_dot(w, i, TT, qt, dt, dst, a);
+            row_dot(w, i + I, TT, qt, dt, dst, b);
+            for (int t = 0; t < TT; t++) {
+                float g = a[t] + (bias ? bias[i] : 0.0f), u = b[t] + (bias ? bias[i + I] : 0.0f);
+                float sg = silu(g);
+                if (limit > 0.0f) {
+                    sg = sg < limit ? sg : limit;
+                    u = u < -limit ? -limit : (u > limit ? limit : u);
+                }
+                store(y, y_bf16, (long)(t0 + t) * I + i, sg * u);
+            }
+        }
+        return;
+    }
+    for (long r = r0; r < r1; r++) {
+        if (r + PREFETCH_ROWS < r1) prefetch_row(w, r + PREFETCH_ROWS);
+        row_dot(w, r, TT, qt, dt, dst, a);
+        for (int t = 0; t < TT; t++) store(y, y_bf16, (long)(t0 + t) * N + r, a[t] + (bias ? bias[r] : 0.0f));
+    }
+}
+
+/* Scratch of the calling thread (its OpenMP team reads it): q int8 [T, K], d and ds [T, nbp]. */
+static __thread int8_t *tl_q;
+static __thread float *tl_d;
+static __thread long tl_cap_q, tl_cap_d;
+
+static int scratch(long nq, long nd) {
+    if (nq > tl_cap_q) {
+        free(tl_q);
+        tl_q = (int8_t *)aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
+        tl_cap_q = tl_q ? nq : 0;
+    }
+    if (nd > tl_cap_d) {
+        free(tl_d);
+        tl_d = (float *)aligned_alloc(64, (size_t)((2 * nd * sizeof(float) + 63) / 64 * 64));
+        tl_cap_d = tl_d ? nd : 0;
+    }
+    return tl_q && tl_d ? 0 : -1;
+}
+
+/* y = x W^T for x [T, K] (fp32 or bf16), W [N, K] packed (scale rows padded to nbp blocks of 32,
+ * nbp a multiple of 8); y [T, N] (MODE_STORE) or [T, N / 2] (MODE_SWIGLU), fp32 or bf16.
+ * Returns 0, or -1 if the scratch could not be allocated. */
+int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
+               const uint16_t *scales, const uint16_t *offsets, const float *bias, void *y, int y_bf16, int mode,
+               float limit, int nthreads) {
+    const long nb = K / 32;
+    if (scratch((long)T * K, (long)T * nbp)) return -1;
+    int8_t *q = tl_q;
+    float *d = tl_d, *ds = tl_d + (long)T * nbp;
+    weight_t w = {codes, scales, offsets, fmt, wb, K, nbp};
+    long rows = mode == MODE_SWIGLU ? N / 2 : N;
+    if (nthreads < 1) nthreads = 1;
+    if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        for (long tb = id; tb < (long)T * nbp; tb += nt) { /* block b of token t, padding zeroed */
+            long t = tb / nbp, b = tb % nbp;
+            if (b < nb) d[tb] = quantize_block(x, x_bf16, t * K + b * 32, q + t * K + b * 32, ds + tb);
+            else d[tb] = ds[tb] = 0.0f;
+        }
+#pragma omp barrier
+        long per = (rows + nt - 1) / nt;
+        long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
+        for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
+            switch (T - t0 < 4 ? T - t0 : 4) {
+            case 1: rows_block(&w, 1, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
+            case 2: rows_block(&w, 2, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
+            case 3: rows_block(&w, 3, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
+            default: rows_block(&w, 4, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* RMSNorm with the residual add: s = x + residual (fp32; residual NULL: s = x), written to s_out
+ * (fp32 [T, D]), out = s * (1 / sqrt(mean(s^2) + eps)) * w rounded once to out's dtype. x [T, D]
+ * fp32 or bf16; the mean of squares is summed in double. */
+void memra_rmsnorm_add(const void *x, int x_bf16, const float *residual, float *s_out, const float *w, float eps,
+                       int T, int D, void *out, int out_bf16) {
+    for (int t = 0; t < T; t++) {
+        float *s = s_out + (long)t * D;
+        double ss = 0.0;
+        for (int i = 0; i < D; i++) {
+            float v = load_x(x, x_bf16, (long)t * D + i);
+            if (residual) v += residual[(long)t * D + i];
+            s[i] = v;
+            ss += (double)v * v;
+        }
+        float r = 1.0f / sqrtf((float)(ss / D) + eps);
+        for (int i = 0; i < D; i++) store(out, out_bf16, (long)t * D + i, s[i] * r * w[i]);
+    }
+}
+
+/* NeoX (rotate-half) RoPE in place on the first nh heads of each row of x (bf16 or fp32; row r
+ * starts at r * row_stride elements, head h at h * hd): for i < rot / 2,
+ *   (x_i, x_{i + rot/2}) <- (x_i cos_i - x_{i+rot/2} sin_i, x_{i+rot/2} cos_{i+rot/2} + x_i sin_{i+rot/2})
+ * in fp32, rounded once; dims >= rot pass through. cos, sin [T, rot], fp32 or bf16 (cs_bf16). */
+void memra_rope(void *x, int x_bf16, int T, long row_stride, int nh, int hd, int rot, const void *cos_t,
+                const void *sin_t, int cs_bf16) {
+    const int half = rot / 2;
+    for (int t = 0; t < T; t++) {
+        const long cb = (long)t * rot;
+        for (int h = 0; h < nh; h++) {
+            long base = (long)t * row_stride + (long)h * hd;
+            for (int i = 0; i < half; i++) {
+                float a = load_x(x, x_bf16, base + i), b = load_x(x, x_bf16, base + i + half);
+                float c0 = load_x(cos_t, cs_bf16, cb + i), c1 = load_x(cos_t, cs_bf16, cb + i + half);
+                float s0 = load_x(sin_t, cs_bf16, cb + i), s1 = load_x(sin_t, cs_bf16, cb + i + half);
+                store(x, x_bf16, base + i, a * c0 - b * s0);
+                store(x, x_bf16, base + i + half, b * c1 + a * s1);
+            }
+        }
+    }
+}
+
+/* Decode attention: one query per sequence over its keys, fp32.
+ * q [B, H, D] (fp32 or bf16); keys / values are rows of kc / vc (fp32 [slots, KV, D]): sequence b's
+ * j-th key is slot idx[b * L + j] (idx NULL: slot lo + j), for j < lens[b] (lens NULL: L).
+ * out[b, h] = softmax_j(q[b, h] . k_j * scale) . v_j, GQA: query head h reads KV head h / (H / KV).
+ * Each (b, h) is one task with a fixed order over j: its result does not depend on B, H or the threads. */
+int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, const float *kc, const float *vc,
+                           const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
+                           int out_bf16, int nthreads) {
+    const int G = H / KV;
+    int err = 0;
+    if (nthreads < 1) nthreads = 1;
+    if ((long)B * H < nthreads) nthreads = B * H;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
+        float *qv = (float *)malloc(sizeof(float) * (size_t)D), *acc = (float *)malloc(sizeof(float) * (size_t)D);
+        const int ok = sc && qv && acc;
+        if (!ok) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(static)
+        for (long task = 0; task < (long)B * H; task++) {
+            if (ok) {
+                const long b = task / H, h = task % H, g = h / G;
+                const int n = lens ? (int)lens[b] : L;
+                for (int i = 0; i < D; i++) qv[i] = load_x(q, q_bf16, task * D + i) * scale;
+                float m = -INFINITY;
+                for (int j = 0; j < n; j++) {
+                    const long slot = idx ? idx[b * L + j] : lo + j;
+                    const float *k = kc + (slot * KV + g) * D;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int i = 0; i < D; i++) s += qv[i] * k[i];
+                    sc[j] = s;
+                    m = s > m ? s : m;
+                }
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++) {
+                    sc[j] = expf(sc[j] - m);
+                    sum += sc[j];
+                }
+                for (int i = 0; i < D; i++) acc[i] = 0.0f;
+                for (int j = 0; j < n; j++) {
+                    const long slot = idx ? idx[b * L + j] : lo + j;
+                    const float *v = vc + (slot * KV + g) * D, p = sc[j];
+#pragma omp simd
+                    for (int i = 0; i < D; i++) acc[i] += p * v[i];
+                }
+                const float inv = n > 0 ? 1.0f / sum : 0.0f;
+                for (int i = 0; i < D; i++) store(out, out_bf16, task * D + i, acc[i] * inv);
+            }
+        }
+        free(sc);
+        free(qv);
+        free(acc);
+    }
+    return err ? -1 : 0;
+}

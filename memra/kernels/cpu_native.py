@@ -1,0 +1,434 @@
+"""memra's native CPU decode kernels (memra/kernels/cpu/decode.c) and their torch twins.
+
+The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into
+``~/.cache/memra/cpu-kernels/<hash>/`` (``MEMRA_CACHE`` moves it): ``-O3 -fopenmp``, plus
+``-mavx2 -mfma -mf16c`` where the CPU has them (a portable C loop otherwise). OpenMP resolves to
+the ``libgomp`` torch has already loaded, so the kernels and torch share one thread pool. It is
+called through ctypes. Without a compiler (or with ``MEMRA_CPU_KERNELS=0``) :func:`available`
+is False and the layers keep their torch paths.
+
+What it computes (decode.c's header has the formats): a quantized GEMV ``y = x W^T`` over
+weights repacked at load from GGUF's per-32 affine formats (Q4_0, Q4_1, Q4_K -> 4-bit codes;
+Q5_0, Q5_1, Q5_K, Q8_0 -> int8 codes) and Q6_K (int8 codes, a scale per 16), with the
+activations quantized to int8 per 32 values as llama.cpp's ``q8_1`` (the idea, not its code):
+integer dot products, no dequantized weights. :func:`gemv_torch` is the same math in torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..quant.dequant import AFFINE32_BITS, affine32, q6_k_parts
+from ..quant.tensor import QTensor
+from ..quant.types import QType
+
+__all__ = ["NativeWeight", "available", "decode_attention", "enabled", "gemv", "gemv_torch", "pack_weight", "packable",
+           "quantize_q8_torch", "rms_norm_add", "rope_", "PACKABLE"]
+
+SOURCE = Path(__file__).parent / "cpu" / "decode.c"
+FMT_U4, FMT_S8 = 0, 1
+MODE_STORE, MODE_SWIGLU = 0, 1
+#: Formats :func:`pack_weight` takes (others stay on the torch path).
+PACKABLE = frozenset(AFFINE32_BITS) | {QType.Q6_K}
+#: The one switch of the native paths (tests set it False to pin the torch paths); they run only
+#: where the library also compiled (:func:`enabled`).
+ENABLED = True
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE"]
+    cpu = _cpu_flags()
+    if {"avx2", "fma", "f16c"} <= cpu:
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+        if {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:  # vpdpbusd on ymm (EVEX)
+            flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+        elif "avx_vnni" in cpu:  # the same instruction, VEX-encoded
+            flags += ["-mavxvnni"]
+    return flags
+
+
+def _build() -> Path:
+    """Compile decode.c (once per source, compiler and flags); returns the library's path.
+    Raises RuntimeError with the compiler's message when it fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang; or set CC)")
+    src = SOURCE.read_bytes()
+    flags = _compile_flags()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(src + repr((flags, version, sys.platform)).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("MEMRA_CACHE", Path.home() / ".cache" / "memra")) / "cpu-kernels" / key
+    lib = root / "libmemra_cpu.so"
+    if lib.is_file():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for omp in (["-fopenmp"], []):  # a compiler without OpenMP (macOS clang) still gets one thread
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+        os.close(fd)
+        r = subprocess.run([cc, *flags, *omp, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode == 0:
+            os.replace(tmp, lib)  # atomic: concurrent builders agree
+            return lib
+        os.unlink(tmp)
+        errors.append(r.stderr[-2000:])
+    raise RuntimeError(f"{cc} failed to compile {SOURCE}:\n" + "\n".join(errors))
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("MEMRA_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"memra: native CPU decode kernels unavailable ({e}); using the torch paths", stacklevel=2)
+        return None
+    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    lib.memra_gemv.argtypes = [p, i, i, i, L, p, i, i, i, p, p, p, p, i, i, f, i]
+    lib.memra_gemv.restype = i
+    lib.memra_quantize_q8.argtypes = [p, i, i, i, i, p, p, p]
+    lib.memra_quantize_q8.restype = None
+    lib.memra_rmsnorm_add.argtypes = [p, i, p, p, p, f, i, i, p, i]
+    lib.memra_rmsnorm_add.restype = None
+    lib.memra_rope.argtypes = [p, i, i, L, i, i, i, p, p, i]
+    lib.memra_rope.restype = None
+    lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, i]
+    lib.memra_decode_attention.restype = i
+    lib.memra_has_avx2.restype = i
+    lib.memra_has_vnni.restype = i
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels compiled and loaded here (cached; warns once if they did not)."""
+    return _lib() is not None
+
+
+def enabled() -> bool:
+    """Whether the layers take the native paths: :data:`ENABLED` and :func:`available`."""
+    return ENABLED and available()
+
+
+@dataclass
+class NativeWeight:
+    """A weight [n, k] in a native kernel format (decode.c header).
+
+    Attributes: ``codes`` uint8 [n, k / 2] (``fmt`` FMT_U4) or int8 viewed as uint8 [n, k]
+    (FMT_S8); ``scales`` fp16 [n, nbp * 32 / wb]; ``offsets`` fp16 [n, nbp] or None; ``wb`` 32 or
+    16; ``nbp`` the row's blocks of 32 rounded up to a multiple of 8 (the scale rows are padded
+    with zeros: the kernel converts 8 blocks' scales at once).
+    """
+
+    n: int
+    k: int
+    fmt: int
+    wb: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
+    @property
+    def nbp(self) -> int:
+        return -(-self.k // 256) * 8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight fp32 [n, k] (what the kernel multiplies by)."""
+        c = _codes(self).float()
+        w = c.view(self.n, -1, self.wb) * self._scales().float().view(self.n, -1, 1)
+        w = w.view(self.n, self.k)
+        if self.offsets is not None:
+            w = (w.view(self.n, -1, 32) + self._offsets().float().view(self.n, -1, 1)).view(self.n, self.k)
+        return w
+
+    def _scales(self) -> torch.Tensor:
+        """fp16 [n, k / wb] (the padding dropped)."""
+        return self.scales[:, :self.k // self.wb]
+
+    def _offsets(self) -> torch.Tensor:
+        return self.offsets[:, :self.k // 32]
+
+
+def _codes(w: NativeWeight) -> torch.Tensor:
+    """Codes as int16 [n, k] (U4 unpacked in weight order)."""
+    if w.fmt == FMT_U4:
+        b = w.codes.view(w.n, -1, 16)
+        return torch.cat([b & 15, b >> 4], dim=2).view(w.n, w.k).to(torch.int16)
+    return w.codes.view(torch.int8).to(torch.int16)
+
+
+def packable(parts: list[QTensor]) -> bool:
+    """Whether :func:`pack_weight` takes these row-stacked parts (2-D, equal widths that are a
+    multiple of 32, formats in :data:`PACKABLE`; Q6_K only with Q8_0 / Q5_0)."""
+    if not parts or any(len(p.shape) != 2 or p.qtype not in PACKABLE for p in parts):
+        return False
+    k = parts[0].shape[1]
+    if k % 32 or any(p.shape[1] != k for p in parts):
+        return False
+    return not any(p.qtype == QType.Q6_K for p in parts) or all(p.qtype in _SYMMETRIC for p in parts)
+
+
+_SYMMETRIC = frozenset({QType.Q6_K, QType.Q8_0, QType.Q5_0})
+
+
+def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
+    h = t.to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError(f"pack_weight: a {what} does not fit fp16")
+    return h
+
+
+def pack_weight(parts: list[QTensor]) -> NativeWeight:
+    """Row-stacked ``parts`` (each [n_i, k], formats in :data:`PACKABLE`) in one native format:
+    4-bit codes when every part's codes have <= 4 bits, else int8 codes (scale per 16 if a part is
+    Q6_K, then no offsets: every part must be symmetric, i.e. Q6_K, Q8_0 or Q5_0).
+
+    Scales and offsets are stored in fp16: exact for Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K's d x scale
+    up to one rounding (K-quants' ``d * sc`` and ``dmin * m`` products are rounded to fp16: relative
+    error <= 2^-11 of a block parameter).
+
+    Raises: ValueError for parts of other formats or widths, k % 32 != 0, a mix this cannot hold, or
+    a scale / offset outside fp16.
+    """
+    if not packable(parts):
+        raise ValueError(f"pack_weight: {parts} are not 2-D parts of equal width (a multiple of 32) in "
+                         f"{', '.join(sorted(t.name for t in PACKABLE))} (Q6_K, a scale per 16, stacks only with "
+                         f"Q8_0 / Q5_0)")
+    k = parts[0].shape[1]
+    four = all(AFFINE32_BITS.get(p.qtype, 8) <= 4 for p in parts)
+    q6k = any(p.qtype == QType.Q6_K for p in parts)
+    codes, scales, offsets = [], [], []
+    wb = 16 if q6k else 32
+    for p in parts:
+        n = p.shape[0]
+        raw = p.data.reshape(-1)
+        if p.qtype == QType.Q6_K:
+            c, s = q6_k_parts(raw)  # int8 codes in -32..31, scale per 16
+            codes.append(c.view(n, k))
+            scales.append(s.view(n, k // 16))
+            continue
+        q, s, o = affine32(raw, p.qtype)
+        q, s, o = q.view(n, k), s.view(n, k // 32), o.view(n, k // 32)
+        if four:
+            b = q.view(n, -1, 2, 16)
+            codes.append((b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2))
+            scales.append(s)
+            offsets.append(o)
+            continue
+        bits = AFFINE32_BITS[p.qtype]
+        mid = 1 << (bits - 1)  # centred codes: q - mid in int8
+        c = (q.to(torch.int16) - mid).to(torch.int8)
+        o = o + mid * s  # w = s q + o = s (q - mid) + (o + mid s)
+        codes.append(c)
+        if wb == 16:  # symmetric only (checked above): o == 0 up to rounding
+            scales.append(s.repeat_interleave(2, dim=1))
+        else:
+            scales.append(s)
+            offsets.append(o)
+    cat = torch.cat(codes)
+    pad = -(-k // 256) * 8 - k // 32  # scale rows padded to a multiple of 8 blocks (zeros)
+    scale = torch.nn.functional.pad(_fp16(torch.cat(scales), "scale"), (0, pad * 32 // wb))
+    off = None
+    if offsets:
+        off = _fp16(torch.cat(offsets), "offset")
+        off = None if not four and bool((off == 0).all()) else torch.nn.functional.pad(off, (0, pad))
+        # (Q8_0 / Q5_0: w = s c, no offset term)
+    return NativeWeight(cat.shape[0], k, FMT_U4 if four else FMT_S8, wb,
+                        cat.view(torch.uint8).contiguous(), scale.contiguous(), None if off is None else off.contiguous())
+
+
+def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization in torch: x [T, K] -> (q int8 [T, K], d fp32 [T, K / 32],
+    ds = d * sum(q) fp32 [T, K / 32]); per 32 values d = max|x| / 127, q = round-half-even(x * (1 / d))."""
+    T, K = x.shape
+    xb = x.float().view(T, K // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])
+    return q.to(torch.int8).view(T, K), d, d * q.sum(-1)
+
+
+def gemv_torch(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, mode: int = MODE_STORE,
+               limit: float | None = None) -> torch.Tensor:
+    """The native GEMV's math in float64 torch: x [T, K] -> fp32 [T, N] (or [T, N / 2] with
+    MODE_SWIGLU: silu(gate) * up, clamped as memra/kernels/fused.py ``swiglu_torch`` when ``limit``)."""
+    q, d, ds = quantize_q8_torch(x)
+    T = x.shape[0]
+    c = _codes(w).double()  # [N, K]
+    qb = q.double().view(T, -1, w.wb)  # [T, K / wb, wb]
+    dots = torch.einsum("tbj,nbj->tnb", qb, c.view(w.n, -1, w.wb))  # exact integer dots
+    s = w._scales().double()  # [N, K / wb]
+    dd = d.double().repeat_interleave(32 // w.wb, dim=1)  # [T, K / wb]
+    y = (dots * s[None] * dd[:, None]).sum(-1)
+    if w.offsets is not None:
+        y = y + ds.double() @ w._offsets().double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if mode == MODE_SWIGLU:
+        g, u = y.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(g)
+        if limit is not None:
+            a, u = a.clamp(max=limit), u.clamp(-limit, limit)
+        y = a * u
+    return y.float()
+
+
+def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+         mode: int = MODE_STORE, limit: float | None = None) -> torch.Tensor:
+    """y = x W^T through the native kernel.
+
+    Args:
+        x: [T, K] fp32 or bf16, contiguous.
+        w: the packed weight [N, K].
+        bias: fp32 [N] or None.
+        out_dtype: fp32 or bf16 (default x's dtype).
+        mode: MODE_STORE -> [T, N]; MODE_SWIGLU (rows [gate | up]) -> silu(gate) * up [T, N / 2].
+        limit: SwiGLU clamp (MODE_SWIGLU), None for none.
+    Raises: RuntimeError if the kernels are not available or its scratch allocation failed;
+        ValueError for a shape or dtype it does not take.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("memra's native CPU kernels are not available (see the warning at first use)")
+    if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native gemv: x must be [T, {w.k}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    T = x.shape[0]
+    y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n, dtype=out_dtype)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
+                        w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, mode,
+                        -1.0 if limit is None else float(limit), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"native gemv: scratch allocation of {T * w.k} bytes failed")
+    return y
+
+
+def _need() -> ctypes.CDLL:
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("memra's native CPU kernels are not available (see the warning at first use)")
+    return lib
+
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """memra/layers/norm.py ``RMSNorm.add`` on the CPU in one native call: s = residual + x in fp32
+    (``residual`` None: s = x widened); returns (rmsnorm(s) * weight in x's dtype, s fp32 [T, D]).
+
+    Args: x [T, D] fp32 or bf16; weight fp32 [D]; residual fp32 [T, D] or None (not modified).
+    The mean of squares is summed in float64 (torch's F.rms_norm sums in fp32: the last bits differ).
+    Raises: ValueError for other shapes or dtypes."""
+    lib = _need()
+    if (x.dim() != 2 or x.dtype not in _FLOATS or weight.shape != (x.shape[1],) or weight.dtype != torch.float32
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))):
+        raise ValueError(f"native rms_norm_add: x [T, D] fp32/bf16, weight fp32 [D], residual fp32 [T, D]; got x "
+                         f"{x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, residual "
+                         f"{None if residual is None else (residual.dtype, tuple(residual.shape))}")
+    x = x.contiguous()
+    T, D = x.shape
+    out = torch.empty_like(x)
+    s = torch.empty(T, D, dtype=torch.float32)
+    if residual is not None:
+        residual = residual.contiguous()
+    lib.memra_rmsnorm_add(x.data_ptr(), x.dtype == torch.bfloat16, None if residual is None else residual.data_ptr(),
+                          s.data_ptr(), weight.data_ptr(), eps, T, D, out.data_ptr(), x.dtype == torch.bfloat16)
+    return out, s
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """memra/kernels/norm_rope.py ``rope_torch`` in place and in one native call: x [T, n, hd]
+    (fp32 or bf16; rows may be strided, heads contiguous), cos / sin [T, rot] (fp32 or bf16, the
+    same dtype). Computed in fp32 and rounded once (rope_torch rounds each product in x's dtype).
+    Returns x. Raises: ValueError for other layouts or dtypes."""
+    lib = _need()
+    T, n, hd = x.shape
+    rot = cos.shape[-1]
+    if (x.dtype not in _FLOATS or x.stride(2) != 1 or x.stride(1) != hd or cos.shape != (T, rot)
+            or sin.shape != cos.shape or cos.dtype != sin.dtype or cos.dtype not in _FLOATS or rot % 2 or rot > hd):
+        raise ValueError(f"native rope_: x [T, n, hd] with contiguous heads, cos/sin [T, rot] of one dtype; got x "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}, cos {cos.dtype} {tuple(cos.shape)}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.memra_rope(x.data_ptr(), x.dtype == torch.bfloat16, T, x.stride(0), n, hd, rot, cos.data_ptr(),
+                   sin.data_ptr(), cos.dtype == torch.bfloat16)
+    return x
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                     slots: torch.Tensor | None = None, start: int = 0, length: int | None = None,
+                     lens: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over its cached keys, in one native call (fp32 math): the CPU twin
+    of memra/layers/attention.py ``decode_attention`` without the gather.
+
+    Args:
+        q: [B, H, D] fp32 or bf16.
+        k_cache, v_cache: fp32 [S, KV, D] contiguous (a contiguous cache, or a paged cache's
+            blocks flattened to slots).
+        scale: softmax scale.
+        slots: int64 [B, L]: sequence b's keys are slots[b, :lens[b]]; None: every sequence
+            reads slots start .. start + length - 1.
+        lens: int64 [B] (with ``slots``; None: all L).
+    Returns [B, H, D] in q's dtype. Raises: ValueError for shapes or dtypes it does not take;
+    RuntimeError if its scratch could not be allocated.
+    """
+    lib = _need()
+    B, H, D = q.shape
+    S, KV, Dk = k_cache.shape
+    ok = (q.dtype in _FLOATS and k_cache.dtype == v_cache.dtype == torch.float32 and Dk == D and H % KV == 0
+          and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape)
+    if slots is not None:
+        ok = ok and slots.dtype == torch.int64 and slots.dim() == 2 and slots.shape[0] == B and (
+            lens is None or (lens.dtype == torch.int64 and lens.shape == (B,)))
+        L = slots.shape[1]
+    else:
+        L = S - start if length is None else length
+        ok = ok and 0 <= start and start + L <= S
+    if not ok:
+        raise ValueError(f"native decode_attention: q {q.dtype} {tuple(q.shape)}, caches {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, slots "
+                         f"{None if slots is None else (slots.dtype, tuple(slots.shape))}, start {start}, L {L}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if slots is not None:
+        slots = slots.contiguous()
+        if lens is not None:
+            lens = lens.contiguous()
+    rc = lib.memra_decode_attention(q.data_ptr(), q.dtype == torch.bfloat16, B, H, KV, D, k_cache.data_ptr(),
+                                    v_cache.data_ptr(), None if slots is None else slots.data_ptr(), start, L,
+                                    None if lens is None else lens.data_ptr(), scale, out.data_ptr(),
+                                    q.dtype == torch.bfloat16, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("native decode_attention: scratch allocation failed")
+    return out
