@@ -35,7 +35,7 @@ from ..quant.tensor import QTensor
 from ..quant.types import QType
 
 __all__ = ["NativeWeight", "available", "decode_attention", "enabled", "gemv", "gemv_torch", "pack_weight", "packable",
-           "quantize_q8_torch", "rms_norm_add", "rope_", "PACKABLE"]
+           "quantize_q8_torch", "rms_norm_add", "rope_", "topk_indices", "PACKABLE"]
 
 SOURCE = Path(__file__).parent / "cpu" / "decode.c"
 FMT_U4, FMT_S8 = 0, 1
@@ -117,6 +117,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.memra_rope.restype = None
     lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, i]
     lib.memra_decode_attention.restype = i
+    lib.memra_gemv_f32.argtypes = [p, i, i, L, p, i, i, i, p, p, p, p, i, f, i]
+    lib.memra_gemv_f32.restype = None
+    lib.memra_topk.argtypes = [p, i, L, i, p, i]
+    lib.memra_topk.restype = None
     lib.memra_has_avx2.restype = i
     lib.memra_has_vnni.restype = i
     return lib
@@ -155,17 +159,22 @@ class NativeWeight:
         return -(-self.k // 256) * 8
 
     @property
+    def exact(self) -> bool:
+        """fp32 block parameters (the float32 mode's kernel, :func:`gemv_exact`)."""
+        return self.scales.dtype == torch.float32
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
 
     def dequantize(self) -> torch.Tensor:
         """The weight fp32 [n, k] (what the kernel multiplies by)."""
-        c = _codes(self).float()
-        w = c.view(self.n, -1, self.wb) * self._scales().float().view(self.n, -1, 1)
+        c = _codes(self).double()  # scale x code is exact in float64; one rounding with the offset (= fma)
+        w = c.view(self.n, -1, self.wb) * self._scales().double().view(self.n, -1, 1)
         w = w.view(self.n, self.k)
         if self.offsets is not None:
-            w = (w.view(self.n, -1, 32) + self._offsets().float().view(self.n, -1, 1)).view(self.n, self.k)
-        return w
+            w = (w.view(self.n, -1, 32) + self._offsets().double().view(self.n, -1, 1)).view(self.n, self.k)
+        return w.float()
 
     def _scales(self) -> torch.Tensor:
         """fp16 [n, k / wb] (the padding dropped)."""
@@ -204,17 +213,21 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     return h
 
 
-def pack_weight(parts: list[QTensor]) -> NativeWeight:
+def pack_weight(parts: list[QTensor], exact: bool = False) -> NativeWeight:
     """Row-stacked ``parts`` (each [n_i, k], formats in :data:`PACKABLE`) in one native format:
-    4-bit codes when every part's codes have <= 4 bits, else int8 codes (scale per 16 if a part is
-    Q6_K, then no offsets: every part must be symmetric, i.e. Q6_K, Q8_0 or Q5_0).
+    4-bit codes when every part's codes have <= 4 bits, else int8 codes (a scale per 16 if a part
+    is Q6_K, then every part must be symmetric: Q6_K, Q8_0 or Q5_0).
 
-    Scales and offsets are stored in fp16: exact for Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K's d x scale
-    up to one rounding (K-quants' ``d * sc`` and ``dmin * m`` products are rounded to fp16: relative
-    error <= 2^-11 of a block parameter).
+    Codes are the format's own (``affine32``): unsigned with the offset for Q4_0 / Q4_1 / Q4_K and
+    Q5_1 / Q5_K (5-bit codes fit int8), signed and offset-free for Q8_0 (q), Q5_0 (q - 16) and
+    Q6_K (q - 32). With ``exact`` the scales and offsets are kept in fp32 (``NativeWeight.exact``):
+    ``fma(scale, code, offset)`` is then the gguf dequantizer's weight bit for bit (the float32
+    mode's kernel). Otherwise fp16: exact for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0; K-quants' ``d * sc``
+    and ``dmin * m`` and Q6_K's ``d * scale`` are rounded to fp16 (relative error <= 2^-11 of a
+    block parameter), next to the int8 activations' ~2^-8.
 
     Raises: ValueError for parts of other formats or widths, k % 32 != 0, a mix this cannot hold, or
-    a scale / offset outside fp16.
+    (without ``exact``) a scale / offset outside fp16.
     """
     if not packable(parts):
         raise ValueError(f"pack_weight: {parts} are not 2-D parts of equal width (a multiple of 32) in "
@@ -232,33 +245,27 @@ def pack_weight(parts: list[QTensor]) -> NativeWeight:
             c, s = q6_k_parts(raw)  # int8 codes in -32..31, scale per 16
             codes.append(c.view(n, k))
             scales.append(s.view(n, k // 16))
+            offsets.append(torch.zeros(n, k // 32))
             continue
         q, s, o = affine32(raw, p.qtype)
         q, s, o = q.view(n, k), s.view(n, k // 32), o.view(n, k // 32)
         if four:
             b = q.view(n, -1, 2, 16)
             codes.append((b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2))
-            scales.append(s)
-            offsets.append(o)
-            continue
-        bits = AFFINE32_BITS[p.qtype]
-        mid = 1 << (bits - 1)  # centred codes: q - mid in int8
-        c = (q.to(torch.int16) - mid).to(torch.int8)
-        o = o + mid * s  # w = s q + o = s (q - mid) + (o + mid s)
-        codes.append(c)
-        if wb == 16:  # symmetric only (checked above): o == 0 up to rounding
-            scales.append(s.repeat_interleave(2, dim=1))
-        else:
-            scales.append(s)
-            offsets.append(o)
+        elif p.qtype in _SYMMETRIC:  # Q8_0 / Q5_0: w = s (q - mid), the offset -mid s folded away exactly
+            mid = 1 << (AFFINE32_BITS[p.qtype] - 1)
+            codes.append((q.to(torch.int16) - mid).to(torch.int8))
+            o = torch.zeros_like(o)
+        else:  # Q5_1 / Q5_K: codes 0..31 as they are, with their offsets
+            codes.append(q.to(torch.int8))
+        scales.append(s if wb == 32 else s.repeat_interleave(2, dim=1))
+        offsets.append(o)
     cat = torch.cat(codes)
-    pad = -(-k // 256) * 8 - k // 32  # scale rows padded to a multiple of 8 blocks (zeros)
-    scale = torch.nn.functional.pad(_fp16(torch.cat(scales), "scale"), (0, pad * 32 // wb))
-    off = None
-    if offsets:
-        off = _fp16(torch.cat(offsets), "offset")
-        off = None if not four and bool((off == 0).all()) else torch.nn.functional.pad(off, (0, pad))
-        # (Q8_0 / Q5_0: w = s c, no offset term)
+    pad = -(-k // 256) * 8 - k // 32  # parameter rows padded to a multiple of 8 blocks (zeros)
+    conv = (lambda t, what: t.float()) if exact else _fp16
+    scale = torch.nn.functional.pad(conv(torch.cat(scales), "scale"), (0, pad * 32 // wb))
+    off = conv(torch.cat(offsets), "offset")
+    off = None if bool((off == 0).all()) else torch.nn.functional.pad(off, (0, pad))
     return NativeWeight(cat.shape[0], k, FMT_U4 if four else FMT_S8, wb,
                         cat.view(torch.uint8).contiguous(), scale.contiguous(), None if off is None else off.contiguous())
 
@@ -277,7 +284,11 @@ def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 def gemv_torch(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, mode: int = MODE_STORE,
                limit: float | None = None) -> torch.Tensor:
     """The native GEMV's math in float64 torch: x [T, K] -> fp32 [T, N] (or [T, N / 2] with
-    MODE_SWIGLU: silu(gate) * up, clamped as memra/kernels/fused.py ``swiglu_torch`` when ``limit``)."""
+    MODE_SWIGLU: silu(gate) * up, clamped as memra/kernels/fused.py ``swiglu_torch`` when ``limit``).
+    An ``exact`` weight: x times the decoded weights (no activation quantization)."""
+    if w.exact:  # the float32 mode: fp32 activations times the exactly decoded weights
+        y = x.double() @ w.dequantize().double().t()
+        return _epilogue(y, bias, mode, limit)
     q, d, ds = quantize_q8_torch(x)
     T = x.shape[0]
     c = _codes(w).double()  # [N, K]
@@ -288,6 +299,10 @@ def gemv_torch(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = Non
     y = (dots * s[None] * dd[:, None]).sum(-1)
     if w.offsets is not None:
         y = y + ds.double() @ w._offsets().double().t()
+    return _epilogue(y, bias, mode, limit)
+
+
+def _epilogue(y: torch.Tensor, bias: torch.Tensor | None, mode: int, limit: float | None) -> torch.Tensor:
     if bias is not None:
         y = y + bias.double()
     if mode == MODE_SWIGLU:
@@ -301,10 +316,11 @@ def gemv_torch(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = Non
 
 def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          mode: int = MODE_STORE, limit: float | None = None) -> torch.Tensor:
-    """y = x W^T through the native kernel.
+    """y = x W^T through the native kernel: int8 activations (fp16-parameter weights), or with an
+    ``exact`` weight (:func:`pack_weight`) fp32 activations and fp32 outputs (the float32 mode).
 
     Args:
-        x: [T, K] fp32 or bf16, contiguous.
+        x: [T, K] fp32 or bf16 (exact weights: fp32).
         w: the packed weight [N, K].
         bias: fp32 [N] or None.
         out_dtype: fp32 or bf16 (default x's dtype).
@@ -313,17 +329,23 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
     Raises: RuntimeError if the kernels are not available or its scratch allocation failed;
         ValueError for a shape or dtype it does not take.
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("memra's native CPU kernels are not available (see the warning at first use)")
-    if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in (torch.float32, torch.bfloat16):
+    lib = _need()
+    if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in _FLOATS:
         raise ValueError(f"native gemv: x must be [T, {w.k}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     out_dtype = out_dtype or x.dtype
     T = x.shape[0]
-    y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n, dtype=out_dtype)
     if bias is not None:
         bias = bias.float().contiguous()
+    if w.exact:  # the float32 mode: fp32 activations, weights decoded exactly
+        if x.dtype != torch.float32 or out_dtype != torch.float32:
+            raise ValueError(f"native gemv: a weight packed exact takes and gives fp32 (x {x.dtype}, out {out_dtype})")
+        y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n)
+        lib.memra_gemv_f32(x.data_ptr(), T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp, w.scales.data_ptr(),
+                           None if w.offsets is None else w.offsets.data_ptr(), None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), mode, -1.0 if limit is None else float(limit), torch.get_num_threads())
+        return y
+    y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n, dtype=out_dtype)
     rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
                         w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
                         None if bias is None else bias.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, mode,
@@ -431,4 +453,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                     q.dtype == torch.bfloat16, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("native decode_attention: scratch allocation failed")
+    return out
+
+
+def topk_indices(y: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices int64 [R, k] of the k largest values of each row of y (fp32 [R, V], contiguous),
+    largest first, ties to the lower index; NaN is never chosen (a row with fewer than k non-NaN
+    values repeats index 0). One native pass per row: torch.topk costs ~0.3 ms on a 49k-row head.
+    Raises: ValueError unless 1 <= k <= min(64, V) and y is fp32 2-D."""
+    lib = _need()
+    if y.dim() != 2 or y.dtype != torch.float32 or not 1 <= k <= min(64, y.shape[1]):
+        raise ValueError(f"native topk_indices: y fp32 [R, V] and 1 <= k <= min(64, V); got {y.dtype} "
+                         f"{tuple(y.shape)}, k={k}")
+    y = y.contiguous()
+    out = torch.empty(y.shape[0], k, dtype=torch.int64)
+    lib.memra_topk(y.data_ptr(), y.shape[0], y.shape[1], k, out.data_ptr(), torch.get_num_threads())
     return out

@@ -34,7 +34,7 @@ from .device import KernelLayer
 from .linear import Linear
 from .norm import RMSNorm
 
-#: Rows up to which bf16 RoPE on the CPU takes the native kernel (fp32 math, one rounding).
+#: Rows up to which RoPE on the CPU takes the native kernel (fp32 math, one rounding).
 NATIVE_ROPE_MAX_ROWS = 16
 
 __all__ = ["Attention", "AttentionBackend", "SelfContainedKV", "attention", "decode_attention", "visibility_mask"]
@@ -174,7 +174,8 @@ class Attention(KernelLayer):
         if self.kernels:
             return qk_norm_rope(q, k, None if qn is None else qn.weight, None if kn is None else kn.weight,
                                 1e-6 if qn is None else qn.eps, cos, sin)
-        if qn is None and q.dtype == torch.bfloat16 and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and cpu_native.enabled():
+        if qn is None and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float32) \
+                and cpu_native.enabled():
             return cpu_native.rope_(q, cos, sin), cpu_native.rope_(k, cos, sin)  # in place (fresh qkv output)
         if qn is not None:
             q, k = qn(q), kn(k)

@@ -94,11 +94,14 @@ class Linear(KernelLayer):
     - ``"dense"``: the weight dequantized once into ``dtype``. fp32 is stored [in, out]
       (x @ W^T streams ~30% faster that way at decode widths); bf16 [out, in] (oneDNN).
       Also held next to the int4 codes: inputs of more than :data:`INT4_MAX_ROWS` rows take it.
-    - ``"native"``: bf16 with every part in a format memra's native CPU kernels read (Q4_0, Q4_1,
-      Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K; memra/kernels/cpu_native.py): at decode (up to
-      :data:`NATIVE_MAX_ROWS` rows) the weight stays in 4-bit or int8 codes and the activations
-      are quantized to int8 per 32 values (llama.cpp's q8_1 scheme): integer dot products.
-      Prefill takes the dense bf16 GEMM. Chosen over ``"int4"`` where the kernels compiled.
+    - ``"native"``: every part in a format memra's native CPU kernels read (Q4_0, Q4_1, Q4_K,
+      Q5_0, Q5_1, Q5_K, Q8_0, Q6_K; memra/kernels/cpu_native.py): at decode (up to
+      :data:`NATIVE_MAX_ROWS` rows) the weight stays in 4-bit or int8 codes. bf16: the
+      activations are quantized to int8 per 32 values (llama.cpp's q8_1 scheme), integer dot
+      products. float32: fp32 activations, each weight decoded in registers exactly as the
+      checkpoint's dequantizer gives it (fp32 block parameters): the exact mode reads ~5x fewer
+      bytes than a dense fp32 weight. Prefill takes the dense GEMM. Chosen over ``"int4"`` and
+      ``"dense"`` where the kernels compiled.
     - ``"int4"``: bf16 with every part in a per-32 affine format (Q4_0/Q4_1/Q4_K: one 4-bit
       digit; Q5_0/Q5_1/Q5_K/Q8_0: two, :func:`int4_digits`): torch's int4 group-wise CPU kernel
       (``_weight_int4pack_mm_for_cpu``, group 32) reads the packed codes directly: at decode
@@ -131,7 +134,7 @@ class Linear(KernelLayer):
         int4 = (dtype == torch.bfloat16 and _int4pack_available() and len(parts[0].shape) == 2
                 and all(p.qtype in AFFINE32_BITS for p in parts) and self.in_features % 32 == 0
                 and self.digits * self.out_features % 16 == 0)  # the int4 packer's row granularity
-        native = dtype == torch.bfloat16 and cpu_native.packable(parts) and cpu_native.enabled()
+        native = dtype in (torch.bfloat16, torch.float32) and cpu_native.packable(parts) and cpu_native.enabled()
         self.kernel = "native" if native else "int4" if int4 else "dense"
         self.transposed = dtype == torch.float32 and self.kernel == "dense"
         self._built = False  # the CPU forms are built on first use (a layer bound for a GPU never needs them)
@@ -144,8 +147,8 @@ class Linear(KernelLayer):
         if self.kernel == "gpu" or self._built:
             return self
         parts = self.qweights
-        if self.kernel == "native":
-            self.native = cpu_native.pack_weight(parts)
+        if self.kernel == "native":  # float32: fp32 block parameters, weights decoded exactly
+            self.native = cpu_native.pack_weight(parts, exact=self.dtype == torch.float32)
         if self.kernel == "int4":
             codes, scale_zero, _ = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
@@ -277,7 +280,8 @@ def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) 
     q = head.qweights[0]
     flat = y.view(-1, head.out_features)
     h = hidden.reshape(-1, head.in_features).float()
-    top = flat.topk(min(top_k, head.out_features), dim=-1).indices  # [R, k]
+    k = min(top_k, head.out_features)
+    top = cpu_native.topk_indices(flat, k) if cpu_native.enabled() else flat.topk(k, dim=-1).indices  # [R, k]
     rows = QTensor(q.name, q.qtype, (top.numel(), head.in_features), q.data[top.reshape(-1)]).dequantize()
     exact = torch.bmm(rows.view(*top.shape, -1), h[:, :, None])[..., 0]  # [R, k]
     if head.bias is not None:

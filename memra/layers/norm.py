@@ -20,8 +20,8 @@ __all__ = ["rms_norm", "RMSNorm"]
 
 rms_norm = rms_norm_torch  # RMS-normalise the last dimension of x [..., D], scale by weight [D]
 
-#: Rows up to which a bf16 CPU norm takes the native kernel (one call; prefill keeps torch's
-#: multi-threaded F.rms_norm).
+#: Rows up to which a CPU norm takes the native kernel (one call, the sum of squares in float64;
+#: prefill keeps torch's multi-threaded F.rms_norm).
 NATIVE_NORM_MAX_ROWS = 16
 
 
@@ -54,7 +54,8 @@ class RMSNorm(KernelLayer):
         if x.device.type != "cpu":  # e.g. tensor-parallel GPU shards (torch, not the fused kernel)
             s = x if residual is None else x + residual
             return rms_norm_torch(s, self.weight, self.eps), s
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= NATIVE_NORM_MAX_ROWS and cpu_native.enabled():
-            return cpu_native.rms_norm_add(x, self.weight, self.eps, residual)  # the fast mode's decode: one call
+        if x.dim() == 2 and x.shape[0] <= NATIVE_NORM_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32) \
+                and cpu_native.enabled():
+            return cpu_native.rms_norm_add(x, self.weight, self.eps, residual)  # decode: one call
         s = x.float() if residual is None else residual + x  # residual: fp32
         return rms_norm_torch(s, self.weight, self.eps).to(x.dtype), s

@@ -403,62 +403,269 @@ void memra_rope(void *x, int x_bf16, int T, long row_stride, int nh, int hd, int
     }
 }
 
+/* exp of 8 floats <= 0 (the softmax's s - max): Cephes' expf method (exp(x) = 2^n exp(r), n =
+ * round(x / ln 2), r by a two-part ln 2, a degree-5 polynomial; ~1 ulp), 0 below -87.3. */
+#ifdef MEMRA_AVX2
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* sh[j] = exp(sh[j] - m) for j < n; returns their sum (summed in 8 lanes, then the lanes in order). */
+static inline float exp_shift_sum(float *sh, int n, float m) {
+    int j = 0;
+    float sum = 0.0f;
+#ifdef MEMRA_AVX2
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
+        _mm256_storeu_ps(sh + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; j < n; j++) {
+        sh[j] = expf(sh[j] - m);
+        sum += sh[j];
+    }
+    return sum;
+}
+
 /* Decode attention: one query per sequence over its keys, fp32.
  * q [B, H, D] (fp32 or bf16); keys / values are rows of kc / vc (fp32 [slots, KV, D]): sequence b's
  * j-th key is slot idx[b * L + j] (idx NULL: slot lo + j), for j < lens[b] (lens NULL: L).
  * out[b, h] = softmax_j(q[b, h] . k_j * scale) . v_j, GQA: query head h reads KV head h / (H / KV).
- * Each (b, h) is one task with a fixed order over j: its result does not depend on B, H or the threads. */
+ * One task per (b, KV head) with its G = H / KV query heads (each key and value row read once for
+ * all of them), a fixed order over j: a result does not depend on B, H or the threads. */
 int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, const float *kc, const float *vc,
                            const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
                            int out_bf16, int nthreads) {
     const int G = H / KV;
     int err = 0;
     if (nthreads < 1) nthreads = 1;
-    if ((long)B * H < nthreads) nthreads = B * H;
+    if ((long)B * KV < nthreads) nthreads = B * KV;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
-        float *qv = (float *)malloc(sizeof(float) * (size_t)D), *acc = (float *)malloc(sizeof(float) * (size_t)D);
+        float *sc = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(L > 0 ? L : 1));
+        float *qv = (float *)malloc(sizeof(float) * (size_t)G * D), *acc = (float *)malloc(sizeof(float) * (size_t)G * D);
         const int ok = sc && qv && acc;
         if (!ok) {
 #pragma omp atomic write
             err = 1;
         }
 #pragma omp for schedule(static)
-        for (long task = 0; task < (long)B * H; task++) {
-            if (ok) {
-                const long b = task / H, h = task % H, g = h / G;
-                const int n = lens ? (int)lens[b] : L;
-                for (int i = 0; i < D; i++) qv[i] = load_x(q, q_bf16, task * D + i) * scale;
-                float m = -INFINITY;
-                for (int j = 0; j < n; j++) {
-                    const long slot = idx ? idx[b * L + j] : lo + j;
-                    const float *k = kc + (slot * KV + g) * D;
+        for (long task = 0; task < (long)B * KV; task++) {
+            if (!ok) continue;
+            const long b = task / KV, g = task % KV;
+            const int n = lens ? (int)lens[b] : L;
+            const long h0 = b * H + g * G; /* the group's first query head (row of q / out) */
+            for (int h = 0; h < G; h++)
+                for (int i = 0; i < D; i++) qv[h * D + i] = load_x(q, q_bf16, (h0 + h) * D + i) * scale;
+            for (int j = 0; j < n; j++) {
+                const long slot = idx ? idx[b * L + j] : lo + j;
+                const float *k = kc + (slot * KV + g) * D;
+                for (int h = 0; h < G; h++) {
+                    const float *qh = qv + h * D;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int i = 0; i < D; i++) s += qv[i] * k[i];
-                    sc[j] = s;
-                    m = s > m ? s : m;
+                    for (int i = 0; i < D; i++) s += qh[i] * k[i];
+                    sc[(long)h * n + j] = s;
                 }
-                float sum = 0.0f;
-                for (int j = 0; j < n; j++) {
-                    sc[j] = expf(sc[j] - m);
-                    sum += sc[j];
-                }
-                for (int i = 0; i < D; i++) acc[i] = 0.0f;
-                for (int j = 0; j < n; j++) {
-                    const long slot = idx ? idx[b * L + j] : lo + j;
-                    const float *v = vc + (slot * KV + g) * D, p = sc[j];
-#pragma omp simd
-                    for (int i = 0; i < D; i++) acc[i] += p * v[i];
-                }
-                const float inv = n > 0 ? 1.0f / sum : 0.0f;
-                for (int i = 0; i < D; i++) store(out, out_bf16, task * D + i, acc[i] * inv);
             }
+            for (int h = 0; h < G; h++) {
+                float *sh = sc + (long)h * n, m = -INFINITY, sum = 0.0f;
+                for (int j = 0; j < n; j++) m = sh[j] > m ? sh[j] : m;
+                sum = exp_shift_sum(sh, n, m);
+                const float inv = n > 0 ? 1.0f / sum : 0.0f;
+                for (int j = 0; j < n; j++) sh[j] *= inv;
+            }
+            for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+            for (int j = 0; j < n; j++) {
+                const long slot = idx ? idx[b * L + j] : lo + j;
+                const float *v = vc + (slot * KV + g) * D;
+                for (int h = 0; h < G; h++) {
+                    float *ah = acc + h * D;
+                    const float p = sc[(long)h * n + j];
+#pragma omp simd
+                    for (int i = 0; i < D; i++) ah[i] += p * v[i];
+                }
+            }
+            for (int h = 0; h < G; h++)
+                for (int i = 0; i < D; i++) store(out, out_bf16, (h0 + h) * D + i, acc[h * D + i]);
         }
         free(sc);
         free(qv);
         free(acc);
     }
     return err ? -1 : 0;
+}
+
+/* The k largest values' indices of each row of y (fp32 [R, V]), largest first (ties: the lower
+ * index first), k <= 64; NaN never enters. One pass per row with a sorted buffer of k. */
+void memra_topk(const float *y, int R, long V, int k, int64_t *out, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    if (R < nthreads) nthreads = R > 0 ? R : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const float *row = y + (long)r * V;
+        float val[64];
+        int64_t ix[64];
+        int n = 0;
+        for (long j = 0; j < V; j++) {
+            const float v = row[j];
+            if (n == k && !(v > val[k - 1])) continue; /* NaN fails every comparison */
+            if (n < k && v != v) continue;
+            int p = n < k ? n++ : k - 1;
+            while (p > 0 && v > val[p - 1]) {
+                val[p] = val[p - 1];
+                ix[p] = ix[p - 1];
+                p--;
+            }
+            val[p] = v;
+            ix[p] = j;
+        }
+        for (int i = 0; i < k; i++) out[(long)r * k + i] = i < n ? ix[i] : 0;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The exact (float32) mode's GEMV: fp32 activations, the weights decoded in registers with fp32
+ * block parameters, w = fma(scale, code, offset): the product of a GGUF scale (<= 17 significant
+ * bits) and a code (<= 8 bits) is exact in fp32, so w equals the gguf dequantizer's d * q + m
+ * bit for bit; y = sum_k w_k x_k in fp32 (FMA, 8 lanes; the order differs from a BLAS sgemv's).
+ * scales fp32 [N, nbp * 32 / wb], offsets fp32 [N, nbp] or NULL; codes as in memra_gemv
+ * (S8 codes signed, U4 codes unsigned). x, y fp32. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *offsets;
+    int fmt, wb, K, nbp;
+} weight_f32_t;
+
+static inline __attribute__((always_inline)) void row_dot_f32(const weight_f32_t *w, long r, int TT, const float *x,
+                                                              float *out) {
+    const int K = w->K, nb = K / 32, spb = 32 / w->wb;
+    const float *sc = w->scales + r * (long)w->nbp * spb;
+    const float *of = w->offsets ? w->offsets + r * (long)w->nbp : NULL;
+    const uint8_t *cr = w->codes + r * (long)(w->fmt == FMT_U4 ? K / 2 : K);
+#ifdef MEMRA_AVX2
+    __m256 acc[4][2];
+    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i c32 = w->fmt == FMT_U4 ? unpack_u4(cr + b * 16) : _mm256_loadu_si256((const __m256i *)(cr + b * 32));
+        __m128i h[2] = {_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1)};
+        const __m256 o = _mm256_set1_ps(of ? of[b] : 0.0f);
+        for (int g = 0; g < 4; g++) { /* weights 8g .. 8g + 7 */
+            __m128i part = g & 1 ? _mm_srli_si128(h[g >> 1], 8) : h[g >> 1];
+            __m256i ci = w->fmt == FMT_U4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+            const __m256 s = _mm256_set1_ps(sc[b * spb + (spb == 2 ? g >> 1 : 0)]);
+            const __m256 wv = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ci), o);
+            for (int t = 0; t < TT; t++)
+                acc[t][g & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (long)t * K + b * 32 + 8 * g), acc[t][g & 1]);
+        }
+    }
+    for (int t = 0; t < TT; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+#else
+    float acc[4] = {0, 0, 0, 0};
+    for (int b = 0; b < nb; b++) {
+        for (int j = 0; j < 32; j++) {
+            int c;
+            if (w->fmt == FMT_U4) c = j < 16 ? (cr[b * 16 + j] & 15) : (cr[b * 16 + j - 16] >> 4);
+            else c = (int8_t)cr[b * 32 + j];
+            const float wv = fmaf(sc[b * spb + j / w->wb], (float)c, of ? of[b] : 0.0f);
+            for (int t = 0; t < TT; t++) acc[t] = fmaf(wv, x[(long)t * K + b * 32 + j], acc[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) out[t] = acc[t];
+#endif
+}
+
+static inline void prefetch_row_f32(const weight_f32_t *w, long r) {
+#if defined(__GNUC__)
+    const long cb = w->fmt == FMT_U4 ? w->K / 2 : w->K, sb = (long)w->nbp * (32 / w->wb) * 4;
+    const char *c = (const char *)(w->codes + r * cb);
+    for (long i = 0; i < cb; i += 64) __builtin_prefetch(c + i, 0, 1);
+    const char *s = (const char *)(w->scales) + r * sb;
+    for (long i = 0; i < sb; i += 64) __builtin_prefetch(s + i, 0, 1);
+    if (w->offsets) {
+        const char *o = (const char *)(w->offsets) + r * (long)w->nbp * 4;
+        for (long i = 0; i < (long)w->nbp * 4; i += 64) __builtin_prefetch(o + i, 0, 1);
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void rows_block_f32(const weight_f32_t *w, int TT, long r0, long r1,
+                                                                 int t0, const float *x, const float *bias, float *y,
+                                                                 long N, int mode, float limit) {
+    const float *xt = x + (long)t0 * w->K;
+    float a[4], b[4];
+    const long I = N / 2;
+    for (long r = r0; r < r0 + PREFETCH_ROWS && r < r1; r++) {
+        prefetch_row_f32(w, r);
+        if (mode == MODE_SWIGLU) prefetch_row_f32(w, r + I);
+    }
+    for (long r = r0; r < r1; r++) {
+        if (r + PREFETCH_ROWS < r1) {
+            prefetch_row_f32(w, r + PREFETCH_ROWS);
+            if (mode == MODE_SWIGLU) prefetch_row_f32(w, r + I + PREFETCH_ROWS);
+        }
+        row_dot_f32(w, r, TT, xt, a);
+        if (mode == MODE_SWIGLU) {
+            row_dot_f32(w, r + I, TT, xt, b);
+            for (int t = 0; t < TT; t++) {
+                float g = a[t] + (bias ? bias[r] : 0.0f), u = b[t] + (bias ? bias[r + I] : 0.0f);
+                float sg = silu(g);
+                if (limit > 0.0f) {
+                    sg = sg < limit ? sg : limit;
+                    u = u < -limit ? -limit : (u > limit ? limit : u);
+                }
+                y[(long)(t0 + t) * I + r] = sg * u;
+            }
+        } else {
+            for (int t = 0; t < TT; t++) y[(long)(t0 + t) * N + r] = a[t] + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+void memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
+                    const float *scales, const float *offsets, const float *bias, float *y, int mode, float limit,
+                    int nthreads) {
+    weight_f32_t w = {codes, scales, offsets, fmt, wb, K, nbp};
+    long rows = mode == MODE_SWIGLU ? N / 2 : N;
+    if (nthreads < 1) nthreads = 1;
+    if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        long per = (rows + nt - 1) / nt;
+        long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
+        for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
+            switch (T - t0 < 4 ? T - t0 : 4) {
+            case 1: rows_block_f32(&w, 1, r0, r1, t0, x, bias, y, N, mode, limit); break;
+            case 2: rows_block_f32(&w, 2, r0, r1, t0, x, bias, y, N, mode, limit); break;
+            case 3: rows_block_f32(&w, 3, r0, r1, t0, x, bias, y, N, mode, limit); break;
+            default: rows_block_f32(&w, 4, r0, r1, t0, x, bias, y, N, mode, limit); break;
+            }
+        }
+    }
 }

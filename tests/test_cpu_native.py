@@ -1,0 +1,615 @@
+"""memra's native CPU decode kernels (memra/kernels/cpu/decode.c through memra/kernels/cpu_native.py),
+each against its torch reference on fresh random data: the quantized GEMV (every packable format,
+stacked and mixed parts, SwiGLU fused), the packed weights' dequantization, RMSNorm + residual,
+RoPE on strided views, paged and contiguous decode attention, the wrappers' errors, the Linear
+layer's kernel choice, and smollm2-135m's greedy tokens with the native paths on and off."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_dequant import random_blocks
+
+from memra.kernels import cpu_native
+from memra.kernels.fused import swiglu_torch
+from memra.kernels.norm_rope import rope_torch
+from memra.layers import attention as attention_layer
+from memra.layers.linear import NATIVE_MAX_ROWS, Linear
+from memra.layers.norm import RMSNorm
+from memra.quant.dequant import q6_k_parts
+from memra.quant.tensor import QTensor
+from memra.quant.types import QTYPE_INFO, QType
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels did not compile here")
+
+Q = QType
+KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # 256-weight super-blocks: widths a multiple of 256
+#: Formats whose packed weights are the GGUF weights exactly (fp16 block parameters kept as they are).
+EXACT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
+
+
+def qtensor(qt: QType, n: int, k: int, rng: np.random.Generator) -> QTensor:
+    """A random [n, k] QTensor of format ``qt`` (random codes, finite random fp16 scales)."""
+    nb = n * k // QTYPE_INFO[qt].block_size
+    return QTensor("w", qt, (n, k), torch.from_numpy(random_blocks(qt, nb, rng).reshape(-1)).view(n, -1))
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (fp64)."""
+    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def within_bf16(got: torch.Tensor, ref: torch.Tensor, slack: float) -> bool:
+    """Whether bf16 ``got`` is within one bf16 rounding of fp32 ``ref`` (2^-8 relative), plus
+    ``slack`` absolute (the fp32 math's own error)."""
+    return bool(((got.float() - ref).abs() <= ref.abs() * 2.0**-8 + slack).all())
+
+
+def native_terms(w: cpu_native.NativeWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed weight's codes, scales and offsets, each fp32 [n, k] per weight (from its public
+    fields: the kernel's layout as decode.c's header states it)."""
+    n, k = w.n, w.k
+    if w.fmt == cpu_native.FMT_U4:
+        b = w.codes.view(n, -1, 16)
+        c = torch.cat([b & 15, b >> 4], dim=2).reshape(n, k).float()
+    else:
+        c = w.codes.view(torch.int8).float()
+    s = w.scales[:, :k // w.wb].float().repeat_interleave(w.wb, dim=1)
+    o = torch.zeros(n, k) if w.offsets is None else w.offsets[:, :k // 32].float().repeat_interleave(32, dim=1)
+    return c, s, o
+
+
+def q8_error_bound(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """Bound [T, N] of |x W^T - xq W^T| for xq the int8-per-32 quantized activations: each x_j
+    moves by at most half its block's step d = max|x| / 127."""
+    T, K = x.shape
+    d = x.float().view(T, K // 32, 32).abs().amax(-1) / 127.0
+    step = (d / 2).repeat_interleave(32, dim=1)  # [T, K]
+    return (step.double() @ W.abs().double().t()).float()
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMV
+
+#: Row-stacked parts (format, rows): one format in two parts of different row counts (168 rows:
+#: both threads of a 2-core machine, an uneven split), and the mixes the packer takes.
+STACKS = {q.name: [(q, 96), (q, 72)] for q in sorted(cpu_native.PACKABLE, key=lambda t: t.value)} | {
+    "Q4_0+Q4_1": [(Q.Q4_0, 40), (Q.Q4_1, 24)],  # 64 rows: one thread
+    "Q8_0+Q6_K": [(Q.Q8_0, 80), (Q.Q6_K, 56)],  # int8 codes, a scale per 16
+    "Q5_0+Q8_0": [(Q.Q5_0, 136), (Q.Q8_0, 8)],  # int8 codes, symmetric: no offsets
+    "Q6_K+Q5_0": [(Q.Q6_K, 32), (Q.Q5_0, 104)],
+    "Q4_1+Q8_0": [(Q.Q4_1, 48), (Q.Q8_0, 88)],  # int8 codes with offsets (Q4_1's centred)
+    "Q4_K+Q5_1": [(Q.Q4_K, 72), (Q.Q5_1, 72)],
+}
+
+
+def widths(stack: list[tuple[QType, int]]) -> list[int]:
+    """576 is 18 blocks of 32: the kernel's 8-block chunks end in a tail of 2; K-quants need 256 | k."""
+    return [256, 768] if any(q in KQUANTS for q, _ in stack) else [256, 576, 896]
+
+
+GEMV_CASES = [(name, k) for name, stack in STACKS.items() for k in widths(stack)]
+
+
+def make_stack(name: str, k: int, seed: int) -> tuple[list[QTensor], torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    parts = [qtensor(q, n, k, rng) for q, n in STACKS[name]]
+    return parts, torch.cat([p.dequantize() for p in parts])
+
+
+@pytest.mark.parametrize("name,k", GEMV_CASES, ids=[f"{n}-k{k}" for n, k in GEMV_CASES])
+def test_gemv_matches_twin_and_exact_product(name, k):
+    """Native GEMV at T in {1, 2, 3, 4, 5, 8} rows (the 4-token groups and their remainders), x fp32
+    and bf16, with and without bias, out fp32 and bf16: against gemv_torch (same int8 activations,
+    float64, exact integer dots; per row, so one 8-row twin serves every T) to 1e-5 of the output's
+    max; the bf16 output is the fp32 output rounded once (bit-identical); against the exact x @ W^T
+    within the activation quantization's own bound (per output: sum_j |W_j| * step_j / 2) and 5e-2
+    of the max overall."""
+    parts, W = make_stack(name, k, seed=k)
+    w = cpu_native.pack_weight(parts)
+    assert (w.n, w.k) == (W.shape[0], k)
+    g = torch.Generator().manual_seed(k + 1)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x8 = torch.randn(8, k, generator=g).to(x_dtype)
+        bound8 = q8_error_bound(x8, W)
+        for with_bias in (False, True):
+            bias = torch.randn(w.n, generator=g) * 10 if with_bias else None
+            twin8 = cpu_native.gemv_torch(x8, w, bias)
+            exact8 = x8.float() @ W.t() + (0 if bias is None else bias)
+            for T in (1, 2, 3, 4, 5, 8):
+                what = f"T={T} x={x_dtype} bias={with_bias}"
+                x, twin, exact = x8[:T], twin8[:T], exact8[:T]
+                y = cpu_native.gemv(x, w, bias, out_dtype=torch.float32)
+                assert y.shape == (T, w.n) and y.dtype == torch.float32
+                assert rel(y, twin) < 1e-5, (what, rel(y, twin))
+                yb = cpu_native.gemv(x, w, bias, out_dtype=torch.bfloat16)
+                assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16)), what
+                bound = bound8[:T] + 1e-5 * exact.abs().max()
+                assert bool(((y - exact).abs() <= bound).all()), (what, rel(y, exact))
+                assert rel(y, exact) < 5e-2, (what, rel(y, exact))
+            assert cpu_native.gemv(x8, w, bias).dtype == x_dtype  # out_dtype defaults to x's
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_native_weight_dequantize(name):
+    """NativeWeight.dequantize against QTensor.dequantize (the gguf-checked dequantizer): bit-exact
+    where every part is Q4_0 / Q4_1 / Q5_0 / Q8_0 and keeps its own parameters (Q4_1 among int8
+    codes is centred, its offset rounded to fp16); otherwise each weight within one fp16 rounding
+    of its block parameters (|scale * code| + |offset|, 2^-11 relative; 2^-25 absolute for fp16
+    subnormals). Also checks the layout the kernel relies on: scale / offset rows padded with
+    zeros to a multiple of 8 blocks of 32, and dequantize = scale * code + offset."""
+    k = 768 if any(q in KQUANTS for q, _ in STACKS[name]) else 576
+    parts, W = make_stack(name, k, seed=7)
+    w = cpu_native.pack_weight(parts)
+    nbp = -(-k // 256) * 8
+    assert w.nbp == nbp and w.scales.dtype == torch.float16 and w.scales.shape == (w.n, nbp * 32 // w.wb)
+    assert bool((w.scales[:, k // w.wb:] == 0).all())
+    if w.offsets is not None:
+        assert w.offsets.shape == (w.n, nbp) and bool((w.offsets[:, k // 32:] == 0).all())
+    assert w.nbytes == sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.offsets) if t is not None)
+    dq = w.dequantize()
+    c, s, o = native_terms(w)
+    assert torch.equal(dq, c * s + o)
+    exact = all(q in EXACT for q, _ in STACKS[name]) and not (
+        w.fmt == cpu_native.FMT_S8 and any(q == Q.Q4_1 for q, _ in STACKS[name]))
+    if exact:
+        assert torch.equal(dq, W)
+    else:
+        bound = 2.0**-11 * 1.01 * ((s * c).abs() + o.abs()) + 2.0**-25 * (c.abs() + 1)
+        assert bool(((dq - W).abs() <= bound).all()), rel(dq, W)
+
+
+def test_q6_k_parts_are_the_dequantized_weights():
+    """q6_k_parts: codes in -32..31 and a scale per 16 whose product is QTensor.dequantize bit-exactly;
+    ValueError for anything but whole 210-byte blocks."""
+    qt = qtensor(Q.Q6_K, 12, 512, np.random.default_rng(3))
+    codes, scale = q6_k_parts(qt.data.reshape(-1))
+    assert codes.dtype == torch.int8 and codes.shape == (12 * 512,) and scale.shape == (12 * 512 // 16,)
+    assert int(codes.min()) == -32 and int(codes.max()) == 31
+    w = (codes.float().view(-1, 16) * scale[:, None]).view(12, 512)
+    assert torch.equal(w, qt.dequantize())
+    with pytest.raises(ValueError, match="210-byte"):
+        q6_k_parts(qt.data.reshape(-1)[:-1])
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0+Q6_K", "Q4_1+Q8_0"])
+@pytest.mark.parametrize("limit", [None, "clamps"])
+def test_gemv_swiglu(name, limit):
+    """MODE_SWIGLU (rows [gate | up]) -> silu(gate) * up [T, N / 2] with the optional clamp: against
+    gemv_torch in the same mode (1e-5 of the max), against swiglu_torch of the native plain product
+    (the same dots: 1e-5), and against swiglu_torch of the exact x @ W^T within the int8 activations'
+    error carried through silu and the product.
+    ``limit`` is set so that some gates and ups are clamped and some are not."""
+    rng = np.random.default_rng(11)
+    (qg, _), (qu, _) = STACKS[name]
+    k, inter = 256, 136  # 136 rows per half: both threads
+    parts = [qtensor(qg, inter, k, rng), qtensor(qu, inter, k, rng)]
+    w = cpu_native.pack_weight(parts)
+    W = torch.cat([p.dequantize() for p in parts])
+    g = torch.Generator().manual_seed(12)
+    for T in (1, 3, 4, 5):
+        x = torch.randn(T, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(2 * inter, generator=g)
+        plain = cpu_native.gemv(x, w, bias, out_dtype=torch.float32)
+        gate, up = plain.chunk(2, dim=-1)
+        lim = None if limit is None else float(up.abs().median())
+        if lim is not None:
+            assert bool((F.silu(gate) > lim).any()) and bool((up.abs() > lim).any())
+        y = cpu_native.gemv(x, w, bias, out_dtype=torch.float32, mode=cpu_native.MODE_SWIGLU, limit=lim)
+        assert y.shape == (T, inter)
+        twin = cpu_native.gemv_torch(x, w, bias, mode=cpu_native.MODE_SWIGLU, limit=lim)
+        assert rel(y, twin) < 1e-5, (T, rel(y, twin))
+        fused_ref = swiglu_torch(gate, up, lim)
+        assert rel(y, fused_ref) < 1e-5, (T, rel(y, fused_ref))
+        # against the exact product: silu is 1.1-Lipschitz, the clamps 1-Lipschitz, so with Bg, Bu
+        # the int8-activation bounds of gate and up, |dy| <= 1.1 Bg (|u| + Bu) + (|a| + 1.1 Bg) Bu
+        ge, ue = (x.float() @ W.t() + bias).chunk(2, dim=-1)
+        bg, bu = (b + 1e-5 * e.abs().max() for b, e in zip(q8_error_bound(x, W).chunk(2, dim=-1), (ge, ue)))
+        a, uc = F.silu(ge), ue
+        if lim is not None:
+            a, uc = a.clamp(max=lim), ue.clamp(-lim, lim)
+        bound = 1.1 * bg * (uc.abs() + bu) + (a.abs() + 1.1 * bg) * bu
+        assert bool(((y - swiglu_torch(ge, ue, lim)).abs() <= bound).all()), T
+        yb = cpu_native.gemv(x, w, bias, mode=cpu_native.MODE_SWIGLU, limit=lim)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
+
+
+def test_gemv_threads_and_concurrent_callers():
+    """The output does not depend on the thread count (each row is one thread's, in a fixed order),
+    and Python threads calling at once (ctypes releases the GIL; each has its own scratch) get what
+    one caller gets, across calls of different row counts (the scratch regrows)."""
+    parts, _ = make_stack("Q4_K+Q5_1", 256, seed=5)
+    w = cpu_native.pack_weight(parts)
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(t, 256, generator=g).to(torch.bfloat16) for t in (1, 8, 3, 5, 2, 4) * 4]
+    ref = [cpu_native.gemv(x, w) for x in xs]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert all(torch.equal(cpu_native.gemv(x, w), r) for x, r in zip(xs, ref))
+    finally:
+        torch.set_num_threads(threads)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def work(i: int) -> None:
+        order = xs[i::3]
+        results[i] = [cpu_native.gemv(x, w) for x in order for _ in range(3)][::3]
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    for i in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(results[i], ref[i::3])), i
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm + residual, RoPE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["x", "x+res"])
+def test_rms_norm_add(dtype, T, with_residual):
+    """rms_norm_add: s = residual + x in fp32 (bit-exact: one fp32 add, or x widened), the residual
+    not modified, and out = rmsnorm(s) * weight against torch's fp32 F.rms_norm (fp32: 2e-6 of each
+    value's magnitude; bf16: within one bf16 rounding); then RMSNorm.add (memra/layers/norm.py) on
+    its torch branch agrees the same way."""
+    D = 576
+    g = torch.Generator().manual_seed(T * 10 + with_residual)
+    x = (torch.randn(T, D, generator=g) * 3).to(dtype)
+    weight = 1 + 0.5 * torch.randn(D, generator=g)
+    residual = torch.randn(T, D, generator=g) * 20 if with_residual else None
+    kept = None if residual is None else residual.clone()
+    out, s = cpu_native.rms_norm_add(x, weight, 1e-5, residual)
+    assert out.dtype == dtype and out.shape == (T, D) and s.dtype == torch.float32
+    s_ref = x.float() if residual is None else residual + x.float()
+    assert torch.equal(s, s_ref)
+    if residual is not None:
+        assert torch.equal(residual, kept)
+    ref = F.rms_norm(s_ref, (D,), weight, 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    else:
+        assert within_bf16(out, ref, 1e-5)
+    cpu_native.ENABLED, was = False, cpu_native.ENABLED
+    try:
+        t_out, t_s = RMSNorm(weight, 1e-5).add(x, residual)
+    finally:
+        cpu_native.ENABLED = was
+    assert torch.equal(t_s, s) and t_out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, t_out, rtol=2e-6, atol=1e-6)
+    else:  # two roundings of nearly the same fp32 value: at most one bf16 step apart
+        assert bool(((out.float() - t_out.float()).abs() <= t_out.float().abs() * 2.0**-7 + 1e-5).all())
+
+
+def test_rms_norm_layer_takes_the_native_call():
+    """RMSNorm.add on a bf16 decode row calls the native kernel (its exact result), not torch."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    weight, residual = torch.rand(64, generator=g) + 0.5, torch.randn(2, 64, generator=g)
+    out, s = RMSNorm(weight, 1e-6).add(x, residual)
+    n_out, n_s = cpu_native.rms_norm_add(x, weight, 1e-6, residual)
+    assert torch.equal(out, n_out) and torch.equal(s, n_s)
+
+
+def rope_tables(T: int, rot: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rot] of random positions (NeoX layout: the frequencies twice)."""
+    pos = torch.randint(0, 4096, (T,), generator=g).float()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rot", [64, 32, 48], ids=["full", "half", "partial48"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_rope_on_strided_views(dtype, rot, T):
+    """rope_ in place on the q and k views of one [T, (H + 2 KV) D] qkv row (split + view, as
+    memra/layers/attention.py makes them: rows strided, heads contiguous), cos / sin in x's dtype and
+    in fp32: against rope_torch in fp32 (fp32: 1e-6; bf16: within one bf16 rounding); every other
+    column of the qkv tensor (v, the dims past ``rot``) bit-identical to before."""
+    H, KV, D = 5, 2, 64
+    g = torch.Generator().manual_seed(rot * 10 + T)
+    for cs_dtype in {dtype, torch.float32}:
+        qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)
+        before = qkv.clone()
+        cos, sin = rope_tables(T, rot, cs_dtype, g)
+        q, k, _ = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q, k = q.view(T, H, D), k.view(T, KV, D)
+        assert not q.is_contiguous() and q.stride() == ((H + 2 * KV) * D, D, 1)
+        refs = [rope_torch(t.float(), cos.float(), sin.float()) for t in (q, k)]
+        for t, ref in zip((q, k), refs):
+            assert cpu_native.rope_(t, cos, sin) is t
+            if dtype == torch.float32:
+                torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-6)
+            else:
+                assert within_bf16(t, ref, 1e-6), (t.float() - ref).abs().max()
+        heads = qkv.view(T, H + 2 * KV, D)
+        moved = torch.zeros_like(heads, dtype=torch.bool)
+        moved[:, :H + KV, :rot] = True
+        assert torch.equal(heads[~moved], before.view(T, H + 2 * KV, D)[~moved])
+
+
+# ------------------------------------------------------------------------------------------------
+# decode attention
+
+
+def attention_ref(q, kc, vc, slots, lens, scale):
+    """memra.layers.attention.decode_attention on the gathered keys with the valid mask (the
+    garbage slots zeroed first: torch's p * v would carry their NaN through a zero weight)."""
+    L = slots.shape[1]
+    valid = torch.arange(L)[None, :] < lens[:, None]
+    clean = valid[:, :, None, None]
+    k = torch.where(clean, kc[slots], 0.0)
+    v = torch.where(clean, vc[slots], 0.0)
+    return attention_layer.decode_attention(q, k, v, valid, scale)
+
+
+def attention_close(got, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+    else:
+        assert got.dtype == torch.bfloat16 and within_bf16(got, ref.float(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [1, 3, 4], ids=lambda g: f"H/KV={g}")
+def test_decode_attention(dtype, D, G):
+    """decode_attention, contiguous form (start / length) and paged form (slots [B, L] a random
+    permutation, B = 3 with lens 23 / 1 / 40, the padding slots past each len pointing at NaN- and
+    1e30-filled slots that must not leak), GQA: against memra.layers.attention.decode_attention on
+    the gathered keys (fp32: 1e-5; bf16 q: within one bf16 rounding). Batch invariance: each
+    sequence's output alone is bit-identical to its row in the batch, and with one thread."""
+    KV = 2
+    H = KV * G
+    S, L, scale = 160, 40, D**-0.5
+    g = torch.Generator().manual_seed(D * 10 + G)
+    kc = torch.randn(S, KV, D, generator=g) * 2
+    vc = torch.randn(S, KV, D, generator=g)
+    perm = torch.randperm(S, generator=g)
+    bad, good = perm[:20], perm[20:]
+    kc[bad[:10]], vc[bad[:10]] = float("nan"), float("nan")
+    kc[bad[10:]], vc[bad[10:]] = 1e30, -1e30
+    lens = torch.tensor([23, 1, 40])
+    slots = good[:3 * L].reshape(3, L).clone()
+    for b in range(3):  # padding: garbage slots
+        slots[b, lens[b]:] = bad[torch.randint(0, 20, (L - int(lens[b]),), generator=g)]
+    q = torch.randn(3, H, D, generator=g).to(dtype)
+    # paged
+    got = cpu_native.decode_attention(q, kc, vc, scale, slots=slots, lens=lens)
+    assert got.shape == q.shape and got.dtype == dtype and bool(torch.isfinite(got).all())
+    attention_close(got, attention_ref(q, kc, vc, slots, lens, scale), dtype)
+    for b in range(3):
+        alone = cpu_native.decode_attention(q[b:b + 1], kc, vc, scale, slots=slots[b:b + 1], lens=lens[b:b + 1])
+        assert torch.equal(alone, got[b:b + 1]), b
+        trimmed = cpu_native.decode_attention(q[b:b + 1], kc, vc, scale, slots=slots[b:b + 1, :lens[b]])
+        assert torch.equal(trimmed, alone), b  # lens None: all L
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_native.decode_attention(q, kc, vc, scale, slots=slots, lens=lens), got)
+    finally:
+        torch.set_num_threads(threads)
+    # contiguous: keys start .. start + length - 1, the slots around them garbage
+    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    start, length = 37, 29
+    kc2[start:start + length], vc2[start:start + length] = kc[good[:length]], vc[good[:length]]
+    got2 = cpu_native.decode_attention(q, kc2, vc2, scale, start=start, length=length)
+    run = torch.arange(start, start + length).expand(3, length)
+    ref2 = attention_layer.decode_attention(q, kc2[run], vc2[run], None, scale)
+    attention_close(got2, ref2, dtype)
+    assert torch.equal(got2, cpu_native.decode_attention(q, kc2, vc2, scale, slots=run.contiguous()))
+    assert torch.equal(got2[1:2], cpu_native.decode_attention(q[1:2], kc2, vc2, scale, start=start, length=length))
+    tail = cpu_native.decode_attention(q, kc2[:start + length].contiguous(), vc2[:start + length].contiguous(), scale,
+                                       start=start)  # length None: to the cache's end
+    assert torch.equal(tail, got2)
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_errors_name_the_problem():
+    """Bad formats, shapes and dtypes raise ValueError saying what is wrong (before any native call)."""
+    rng = np.random.default_rng(0)
+    q4 = qtensor(Q.Q4_0, 32, 256, rng)
+    f32 = QTensor("w", Q.F32, (32, 256), torch.randn(32, 256))
+    bf16 = QTensor("w", Q.BF16, (32, 256), torch.randn(32, 256).to(torch.bfloat16))
+    for parts in ([f32], [bf16], [q4, f32]):
+        assert not cpu_native.packable(parts)
+        with pytest.raises(ValueError, match="pack_weight:.*not 2-D parts of equal width"):
+            cpu_native.pack_weight(parts)
+    mix = [qtensor(Q.Q6_K, 16, 256, rng), qtensor(Q.Q4_1, 16, 256, rng)]
+    assert not cpu_native.packable(mix)
+    with pytest.raises(ValueError, match="Q6_K, a scale per 16, stacks only with Q8_0 / Q5_0"):
+        cpu_native.pack_weight(mix)
+    with pytest.raises(ValueError, match="pack_weight"):
+        cpu_native.pack_weight([q4, qtensor(Q.Q4_0, 32, 512, rng)])  # widths differ
+    with pytest.raises(ValueError, match="pack_weight"):
+        cpu_native.pack_weight([])
+    big = random_blocks(Q.Q4_K, 4, rng)
+    big[:, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc past fp16's max
+    big[:, 4:16] = 0xFF
+    with pytest.raises(ValueError, match="does not fit fp16"):
+        cpu_native.pack_weight([QTensor("w", Q.Q4_K, (4, 256), torch.from_numpy(big.reshape(-1)).view(4, -1))])
+
+    w = cpu_native.pack_weight([q4])
+    for x in (torch.randn(2, 288), torch.randn(256), torch.randn(2, 256).half()):
+        with pytest.raises(ValueError, match=r"native gemv: x must be \[T, 256\] fp32 or bf16"):
+            cpu_native.gemv(x, w)
+
+    q = torch.randn(2, 4, 64)
+    kc = torch.randn(10, 2, 64)
+    with pytest.raises(ValueError, match="caches torch.float16"):
+        cpu_native.decode_attention(q, kc.half(), kc.half(), 0.1, start=0, length=10)
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(torch.randn(2, 3, 64), kc, kc, 0.1)  # H % KV
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(q, kc, kc, 0.1, start=4, length=7)  # past the cache
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(q, kc, kc, 0.1, slots=torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(q, kc, kc.transpose(0, 1).contiguous().transpose(0, 1), 0.1)
+
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="native rms_norm_add"):
+        cpu_native.rms_norm_add(x, torch.ones(64, dtype=torch.bfloat16), 1e-6, None)
+    with pytest.raises(ValueError, match="native rms_norm_add"):
+        cpu_native.rms_norm_add(x, torch.ones(64), 1e-6, torch.randn(2, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="native rms_norm_add"):
+        cpu_native.rms_norm_add(x, torch.ones(32), 1e-6, None)
+
+    x3 = torch.randn(2, 3, 64)
+    cos = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="native rope_"):
+        cpu_native.rope_(x3.transpose(1, 2).contiguous().transpose(1, 2), cos, cos)  # heads not contiguous
+    with pytest.raises(ValueError, match="native rope_"):
+        cpu_native.rope_(x3, cos[:, :63], cos[:, :63])  # odd rot
+    with pytest.raises(ValueError, match="native rope_"):
+        cpu_native.rope_(x3, torch.randn(2, 66), torch.randn(2, 66))  # rot > hd
+    with pytest.raises(ValueError, match="native rope_"):
+        cpu_native.rope_(x3, cos, cos.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="native rope_"):
+        cpu_native.rope_(x3.half(), cos, cos)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Linear layer
+
+
+def test_linear_picks_native_and_matches_dense():
+    """A bf16 Linear over packable parts (Q8_0 + Q6_K rows; Q4_0 + Q4_1 rows) takes kernel "native": up to NATIVE_MAX_ROWS rows (also as [2, 2, K]) its output is the
+    native GEMV's exactly and the fp32 dequantized product's within int8-activation error; more
+    rows take the dense bf16 GEMM (F.linear over the stored weight, bit-exact). Linear.swiglu is
+    the fused native call."""
+    rng = np.random.default_rng(21)
+    g = torch.Generator().manual_seed(22)
+    for stack in ([(Q.Q8_0, 48), (Q.Q6_K, 80)], [(Q.Q4_0, 64), (Q.Q4_1, 64)]):
+        parts = [qtensor(q, n, 256, rng) for q, n in stack]
+        bias = torch.randn(128, generator=g)
+        lin = Linear(parts, bias, torch.bfloat16)
+        assert lin.kernel == "native"
+        W = torch.cat([p.dequantize() for p in parts])
+        for T in range(1, NATIVE_MAX_ROWS + 3):
+            x = torch.randn(T, 256, generator=g)  # fp32 in: the layer casts to bf16
+            y = lin(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (T, 128)
+            xb = x.to(torch.bfloat16)
+            if T <= NATIVE_MAX_ROWS:
+                assert lin.native_rows(xb)
+                assert torch.equal(y, cpu_native.gemv(xb, lin.native, lin.bias))
+                exact = xb.float() @ W.t() + lin.bias.float()
+                assert rel(y, exact) < 5e-2, (T, rel(y, exact))
+            else:
+                assert not lin.native_rows(xb)
+                assert torch.equal(y, F.linear(xb, lin.stored, lin.bias))
+        x4 = torch.randn(2, 2, 256, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x4), lin(x4.view(4, 256)).view(2, 2, 128))
+        x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+        gate, up = cpu_native.gemv(x, lin.native, lin.bias, out_dtype=torch.float32).chunk(2, dim=-1)
+        assert rel(lin.swiglu(x).float(), swiglu_torch(gate, up, None)) < 1e-2  # bf16 output
+        with pytest.raises(ValueError, match="Linear.swiglu"):
+            lin.swiglu(torch.randn(NATIVE_MAX_ROWS + 1, 256).to(torch.bfloat16))
+
+
+def test_linear_kernel_choice_without_native(torch_cpu_paths):
+    """With the native paths off (torch_cpu_paths) a bf16 Linear of per-32 affine parts picks "int4",
+    Q6_K (no per-32 affine form) "dense"; fp32 is "dense" either way."""
+    rng = np.random.default_rng(31)
+    assert not cpu_native.enabled()
+    assert Linear([qtensor(Q.Q4_0, 64, 256, rng), qtensor(Q.Q8_0, 64, 256, rng)], dtype=torch.bfloat16).kernel == "int4"
+    assert Linear(qtensor(Q.Q6_K, 64, 256, rng), dtype=torch.bfloat16).kernel == "dense"
+    assert Linear(qtensor(Q.Q4_K, 64, 256, rng), dtype=torch.float32).kernel == "dense"
+
+
+def test_linear_fp32_stays_dense():
+    """With the native paths on, an fp32 Linear still picks "dense"."""
+    assert cpu_native.enabled()
+    lin = Linear(qtensor(Q.Q4_K, 64, 256, np.random.default_rng(41)), dtype=torch.float32)
+    assert lin.kernel == "dense"
+
+
+# ------------------------------------------------------------------------------------------------
+# builds without VNNI / without AVX2
+
+
+@pytest.mark.parametrize("flags", ["avx2", "portable"])
+def test_other_builds_agree(flags, tmp_path, monkeypatch):
+    """decode.c built for a CPU with AVX2 but no VNNI (maddubs / madd dots) and for one without AVX2
+    (the portable C loops, the software fp16 conversion): the GEMV (U4, S8 with offsets, a scale per
+    16, the 8-block tail, T up to 5) against gemv_torch; decode attention and rms_norm_add against
+    the default build / torch (fp32 sums may be vectorised differently: within 1e-6)."""
+    cpu = cpu_native._cpu_flags()
+    if flags == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
+        pytest.skip("no AVX2 here")
+    want = {"avx2", "fma", "f16c"} if flags == "avx2" else set()
+    rng = np.random.default_rng(51)
+    cases = []
+    for stack, k in (([(Q.Q4_1, 40), (Q.Q4_0, 24)], 576), ([(Q.Q5_1, 136)], 576), ([(Q.Q6_K, 64), (Q.Q8_0, 72)], 256)):
+        cases.append((cpu_native.pack_weight([qtensor(q, n, k, rng) for q, n in stack]), k))
+    g = torch.Generator().manual_seed(52)
+    q = torch.randn(2, 6, 64, generator=g)
+    kc, vc = torch.randn(50, 2, 64, generator=g), torch.randn(50, 2, 64, generator=g)
+    att = cpu_native.decode_attention(q, kc, vc, 0.125, start=3, length=40)
+    monkeypatch.setenv("MEMRA_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: want)
+    cpu_native._lib.cache_clear()
+    try:
+        lib = cpu_native._lib()
+        assert lib is not None and lib.memra_has_avx2() == (flags == "avx2") and lib.memra_has_vnni() == 0
+        for w, k in cases:
+            for T in (1, 2, 5):
+                x = torch.randn(T, k, generator=g).to(torch.bfloat16)
+                bias = torch.randn(w.n, generator=g)
+                y = cpu_native.gemv(x, w, bias, out_dtype=torch.float32)
+                assert rel(y, cpu_native.gemv_torch(x, w, bias)) < 1e-5, (flags, w.fmt, w.wb, T)
+        torch.testing.assert_close(cpu_native.decode_attention(q, kc, vc, 0.125, start=3, length=40), att,
+                                   rtol=1e-6, atol=1e-6)
+        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+        out, s = cpu_native.rms_norm_add(x, torch.ones(64), 1e-6, None)
+        assert torch.equal(s, x.float()) and within_bf16(out, F.rms_norm(x.float(), (64,), torch.ones(64), 1e-6), 1e-6)
+    finally:
+        monkeypatch.undo()
+        cpu_native._lib.cache_clear()
+    assert cpu_native._lib().memra_has_avx2() == int({"avx2", "fma", "f16c"} <= cpu)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def test_smollm2_native_on_and_off(monkeypatch):
+    """smollm2-135m in bfloat16, greedy, 24 tokens of 2 prompts: with the native kernels (every
+    linear layer "native") and with them off (torch's int4 / dense paths): the first 8 tokens of
+    each prompt identical. The float32 model keeps "dense" linear layers with the native kernels on."""
+    from memra import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    assert cpu_native.enabled()
+    on = LLM("smollm2-135m", dtype="bfloat16")
+    kernels = {m.kernel for m in on.model.modules() if isinstance(m, Linear)}
+    assert kernels == {"native"}, kernels
+    tok_on = [o.outputs[0].token_ids for o in on.generate(PROMPTS, sp)]
+    del on
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
+    off = LLM("smollm2-135m", dtype="bfloat16")
+    assert "native" not in {m.kernel for m in off.model.modules() if isinstance(m, Linear)}
+    tok_off = [o.outputs[0].token_ids for o in off.generate(PROMPTS, sp)]
+    del off
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tok_on, tok_off)]
+    print(f"\nsmollm2-135m bf16 greedy: native on vs off agree on the first {agree} of 24 tokens")
+    assert all(len(t) == 24 for t in tok_on + tok_off)
+    assert min(agree) >= 8, (agree, tok_on, tok_off)
+    fp32 = LLM("smollm2-135m", dtype="float32")
+    assert {m.kernel for m in fp32.model.modules() if isinstance(m, Linear)} == {"dense"}
