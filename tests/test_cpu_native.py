@@ -1,8 +1,9 @@
 """memra's native CPU decode kernels (memra/kernels/cpu/decode.c through memra/kernels/cpu_native.py),
 each against its torch reference on fresh random data: the quantized GEMV (every packable format,
-stacked and mixed parts, SwiGLU fused), the packed weights' dequantization, RMSNorm + residual,
-RoPE on strided views, paged and contiguous decode attention, the wrappers' errors, the Linear
-layer's kernel choice, and smollm2-135m's greedy tokens with the native paths on and off."""
+stacked and mixed parts, SwiGLU fused; int8 activations, and the float32 mode's exact weights), the
+packed weights' dequantization, RMSNorm + residual, RoPE on strided views, paged and contiguous
+decode attention, top-k, the wrappers' errors, the Linear layer's kernel choice, the builds without
+VNNI / AVX2, and smollm2-135m's greedy tokens with the native paths on and off."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU k
 
 Q = QType
 KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # 256-weight super-blocks: widths a multiple of 256
-#: Formats whose packed weights are the GGUF weights exactly (fp16 block parameters kept as they are).
-EXACT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
+#: Formats whose fp16-parameter packing is the GGUF weights exactly (their block parameters are fp16).
+EXACT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
 def qtensor(qt: QType, n: int, k: int, rng: np.random.Generator) -> QTensor:
@@ -63,6 +64,13 @@ def native_terms(w: cpu_native.NativeWeight) -> tuple[torch.Tensor, torch.Tensor
     return c, s, o
 
 
+def fp32_sum_bound(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """Bound [T, N] of an fp32 dot product's rounding against the exact one, whatever its order:
+    K * 2^-24 * sum_j |W_j x_j| (the first-order worst case; we take a quarter of K, far above the
+    random-walk growth and far below any real error)."""
+    return (x.abs().double() @ W.abs().double().t() * (x.shape[1] / 4) * 2.0**-24).float()
+
+
 def q8_error_bound(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """Bound [T, N] of |x W^T - xq W^T| for xq the int8-per-32 quantized activations: each x_j
     moves by at most half its block's step d = max|x| / 127."""
@@ -82,7 +90,7 @@ STACKS = {q.name: [(q, 96), (q, 72)] for q in sorted(cpu_native.PACKABLE, key=la
     "Q8_0+Q6_K": [(Q.Q8_0, 80), (Q.Q6_K, 56)],  # int8 codes, a scale per 16
     "Q5_0+Q8_0": [(Q.Q5_0, 136), (Q.Q8_0, 8)],  # int8 codes, symmetric: no offsets
     "Q6_K+Q5_0": [(Q.Q6_K, 32), (Q.Q5_0, 104)],
-    "Q4_1+Q8_0": [(Q.Q4_1, 48), (Q.Q8_0, 88)],  # int8 codes with offsets (Q4_1's centred)
+    "Q4_1+Q8_0": [(Q.Q4_1, 48), (Q.Q8_0, 88)],  # int8 codes, unsigned (Q4_1) and signed (Q8_0)
     "Q4_K+Q5_1": [(Q.Q4_K, 72), (Q.Q5_1, 72)],
 }
 
@@ -135,32 +143,68 @@ def test_gemv_matches_twin_and_exact_product(name, k):
 
 
 @pytest.mark.parametrize("name", list(STACKS))
+def test_gemv_exact_weights(name):
+    """The float32 mode's GEMV (pack_weight(exact=True): fp32 block parameters, fp32 activations,
+    weights decoded in registers) at T in {1, 2, 3, 4, 5, 8}, with and without bias: against
+    gemv_torch (x times the decoded weights in float64) and the exact x @ W^T of QTensor.dequantize,
+    both within the fp32 sum's rounding bound; SwiGLU against swiglu_torch of the plain product.
+    bf16 in or out is a ValueError."""
+    k = 768 if any(q in KQUANTS for q, _ in STACKS[name]) else 576
+    parts, W = make_stack(name, k, seed=13)
+    w = cpu_native.pack_weight(parts, exact=True)
+    assert w.exact and w.scales.dtype == torch.float32
+    g = torch.Generator().manual_seed(14)
+    x8 = torch.randn(8, k, generator=g)
+    for with_bias in (False, True):
+        bias = torch.randn(w.n, generator=g) if with_bias else None
+        exact8 = (x8.double() @ W.double().t() + (0 if bias is None else bias.double())).float()
+        twin8 = cpu_native.gemv_torch(x8, w, bias)
+        bound8 = fp32_sum_bound(x8, W) + 1e-6 * (0 if bias is None else bias.abs()) + 1e-30
+        for T in (1, 2, 3, 4, 5, 8):
+            y = cpu_native.gemv(x8[:T], w, bias)
+            assert y.dtype == torch.float32 and y.shape == (T, w.n)
+            for ref in (exact8[:T], twin8[:T]):
+                assert bool(((y - ref).abs() <= bound8[:T]).all()), (T, with_bias, rel(y, ref))
+    if w.n % 2 == 0:
+        for lim in (None, 1.0):
+            y = cpu_native.gemv(x8[:3], w, bias, mode=cpu_native.MODE_SWIGLU, limit=lim)
+            plain = cpu_native.gemv(x8[:3], w, bias)
+            ref = swiglu_torch(*plain.chunk(2, dim=-1), lim)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="exact takes and gives fp32"):
+        cpu_native.gemv(x8.to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="exact takes and gives fp32"):
+        cpu_native.gemv(x8, w, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", list(STACKS))
 def test_native_weight_dequantize(name):
-    """NativeWeight.dequantize against QTensor.dequantize (the gguf-checked dequantizer): bit-exact
-    where every part is Q4_0 / Q4_1 / Q5_0 / Q8_0 and keeps its own parameters (Q4_1 among int8
-    codes is centred, its offset rounded to fp16); otherwise each weight within one fp16 rounding
-    of its block parameters (|scale * code| + |offset|, 2^-11 relative; 2^-25 absolute for fp16
-    subnormals). Also checks the layout the kernel relies on: scale / offset rows padded with
-    zeros to a multiple of 8 blocks of 32, and dequantize = scale * code + offset."""
+    """NativeWeight.dequantize against QTensor.dequantize (the gguf-checked dequantizer). Packed
+    exact (fp32 block parameters): bit-exact for every format. Packed with fp16 parameters:
+    bit-exact where every part is Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (their parameters are fp16);
+    K-quants and Q6_K each weight within one fp16 rounding of its block parameters (|scale * code|
+    + |offset|, 2^-11 relative; 2^-25 absolute for fp16 subnormals). Also the layout the kernel
+    relies on: parameter rows padded with zeros to a multiple of 8 blocks of 32, and dequantize
+    = scale * code + offset."""
     k = 768 if any(q in KQUANTS for q, _ in STACKS[name]) else 576
     parts, W = make_stack(name, k, seed=7)
-    w = cpu_native.pack_weight(parts)
     nbp = -(-k // 256) * 8
-    assert w.nbp == nbp and w.scales.dtype == torch.float16 and w.scales.shape == (w.n, nbp * 32 // w.wb)
-    assert bool((w.scales[:, k // w.wb:] == 0).all())
-    if w.offsets is not None:
-        assert w.offsets.shape == (w.n, nbp) and bool((w.offsets[:, k // 32:] == 0).all())
-    assert w.nbytes == sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.offsets) if t is not None)
-    dq = w.dequantize()
-    c, s, o = native_terms(w)
-    assert torch.equal(dq, c * s + o)
-    exact = all(q in EXACT for q, _ in STACKS[name]) and not (
-        w.fmt == cpu_native.FMT_S8 and any(q == Q.Q4_1 for q, _ in STACKS[name]))
-    if exact:
-        assert torch.equal(dq, W)
-    else:
-        bound = 2.0**-11 * 1.01 * ((s * c).abs() + o.abs()) + 2.0**-25 * (c.abs() + 1)
-        assert bool(((dq - W).abs() <= bound).all()), rel(dq, W)
+    for exact in (False, True):
+        w = cpu_native.pack_weight(parts, exact=exact)
+        assert w.exact == exact and w.nbp == nbp
+        assert w.scales.dtype == (torch.float32 if exact else torch.float16)
+        assert w.scales.shape == (w.n, nbp * 32 // w.wb) and bool((w.scales[:, k // w.wb:] == 0).all())
+        if w.offsets is not None:
+            assert w.offsets.shape == (w.n, nbp) and bool((w.offsets[:, k // 32:] == 0).all())
+        assert w.nbytes == sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.offsets) if t is not None)
+        dq = w.dequantize()
+        c, s, o = native_terms(w)
+        assert torch.equal(dq, (c.double() * s.double() + o.double()).float())
+        if exact or all(q in EXACT for q, _ in STACKS[name]):
+            assert torch.equal(dq, W), (exact, rel(dq, W))
+        else:
+            bound = 2.0**-11 * 1.01 * ((s * c).abs() + o.abs()) + 2.0**-25 * (c.abs() + 1)
+            assert bool(((dq - W).abs() <= bound).all()), rel(dq, W)
 
 
 def test_q6_k_parts_are_the_dequantized_weights():
@@ -176,14 +220,26 @@ def test_q6_k_parts_are_the_dequantized_weights():
         q6_k_parts(qt.data.reshape(-1)[:-1])
 
 
+def swiglu_bound(g: torch.Tensor, u: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, lim: float | None
+                 ) -> torch.Tensor:
+    """Bound of |swiglu(g', u') - swiglu(g, u)| for |g' - g| <= bg, |u' - u| <= bu: silu is
+    1.1-Lipschitz and the clamps 1-Lipschitz, so it is 1.1 bg (|u| + bu) + (|a| + 1.1 bg) bu with a,
+    u the clamped silu(g) and u."""
+    a = F.silu(g)
+    if lim is not None:
+        a, u = a.clamp(max=lim), u.clamp(-lim, lim)
+    return 1.1 * bg * (u.abs() + bu) + (a.abs() + 1.1 * bg) * bu
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0+Q6_K", "Q4_1+Q8_0"])
 @pytest.mark.parametrize("limit", [None, "clamps"])
 def test_gemv_swiglu(name, limit):
-    """MODE_SWIGLU (rows [gate | up]) -> silu(gate) * up [T, N / 2] with the optional clamp: against
-    gemv_torch in the same mode (1e-5 of the max), against swiglu_torch of the native plain product
-    (the same dots: 1e-5), and against swiglu_torch of the exact x @ W^T within the int8 activations'
-    error carried through silu and the product.
-    ``limit`` is set so that some gates and ups are clamped and some are not."""
+    """MODE_SWIGLU (rows [gate | up]) -> silu(gate) * up [T, N / 2] with the optional clamp, T in
+    {1, 3, 4, 5}, with bias: against swiglu_torch of the native plain product (the same fp32 dots:
+    1e-5 per value), against gemv_torch in the same mode and swiglu_torch of the exact x @ W^T, each
+    within its plain product's error (1e-5 of the max; the int8 activations' bound) carried through
+    silu and the product. The bf16 output is the fp32 one rounded once. ``limit`` is chosen so that
+    some gates and ups are clamped and some are not."""
     rng = np.random.default_rng(11)
     (qg, _), (qu, _) = STACKS[name]
     k, inter = 256, 136  # 136 rows per half: both threads
@@ -196,24 +252,22 @@ def test_gemv_swiglu(name, limit):
         bias = torch.randn(2 * inter, generator=g)
         plain = cpu_native.gemv(x, w, bias, out_dtype=torch.float32)
         gate, up = plain.chunk(2, dim=-1)
-        lim = None if limit is None else float(up.abs().median())
-        if lim is not None:
-            assert bool((F.silu(gate) > lim).any()) and bool((up.abs() > lim).any())
+        lim = None
+        if limit is not None:
+            lim = min(float(up.abs().median()), float(F.silu(gate).quantile(0.75)))
+            a = F.silu(gate)
+            assert bool((a > lim).any() and (a < lim).any() and (up.abs() > lim).any() and (up.abs() < lim).any())
         y = cpu_native.gemv(x, w, bias, out_dtype=torch.float32, mode=cpu_native.MODE_SWIGLU, limit=lim)
-        assert y.shape == (T, inter)
+        assert y.shape == (T, inter) and y.dtype == torch.float32
+        ref = swiglu_torch(gate, up, lim)
+        assert bool(((y - ref).abs() <= 1e-5 * ref.abs() + 1e-6 * ref.abs().max()).all()), T
+        twin_plain = cpu_native.gemv_torch(x, w, bias)
+        d = torch.full_like(gate, 1e-5 * float(twin_plain.abs().max()))
         twin = cpu_native.gemv_torch(x, w, bias, mode=cpu_native.MODE_SWIGLU, limit=lim)
-        assert rel(y, twin) < 1e-5, (T, rel(y, twin))
-        fused_ref = swiglu_torch(gate, up, lim)
-        assert rel(y, fused_ref) < 1e-5, (T, rel(y, fused_ref))
-        # against the exact product: silu is 1.1-Lipschitz, the clamps 1-Lipschitz, so with Bg, Bu
-        # the int8-activation bounds of gate and up, |dy| <= 1.1 Bg (|u| + Bu) + (|a| + 1.1 Bg) Bu
+        assert bool(((y - twin).abs() <= swiglu_bound(*twin_plain.chunk(2, dim=-1), d, d, lim) + 1e-30).all()), T
         ge, ue = (x.float() @ W.t() + bias).chunk(2, dim=-1)
         bg, bu = (b + 1e-5 * e.abs().max() for b, e in zip(q8_error_bound(x, W).chunk(2, dim=-1), (ge, ue)))
-        a, uc = F.silu(ge), ue
-        if lim is not None:
-            a, uc = a.clamp(max=lim), ue.clamp(-lim, lim)
-        bound = 1.1 * bg * (uc.abs() + bu) + (a.abs() + 1.1 * bg) * bu
-        assert bool(((y - swiglu_torch(ge, ue, lim)).abs() <= bound).all()), T
+        assert bool(((y - swiglu_torch(ge, ue, lim)).abs() <= swiglu_bound(ge, ue, bg, bu, lim)).all()), T
         yb = cpu_native.gemv(x, w, bias, mode=cpu_native.MODE_SWIGLU, limit=lim)
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
 
@@ -323,7 +377,7 @@ def test_rope_on_strided_views(dtype, rot, T):
         cos, sin = rope_tables(T, rot, cs_dtype, g)
         q, k, _ = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k = q.view(T, H, D), k.view(T, KV, D)
-        assert not q.is_contiguous() and q.stride() == ((H + 2 * KV) * D, D, 1)
+        assert q.stride()[1:] == (D, 1) and (T == 1 or q.stride(0) == (H + 2 * KV) * D)
         refs = [rope_torch(t.float(), cos.float(), sin.float()) for t in (q, k)]
         for t, ref in zip((q, k), refs):
             assert cpu_native.rope_(t, cos, sin) is t
@@ -349,7 +403,7 @@ def attention_ref(q, kc, vc, slots, lens, scale):
     clean = valid[:, :, None, None]
     k = torch.where(clean, kc[slots], 0.0)
     v = torch.where(clean, vc[slots], 0.0)
-    return attention_layer.decode_attention(q, k, v, valid, scale)
+    return attention_layer.decode_attention(q.float(), k, v, valid, scale)  # fp32 out: one rounding to compare
 
 
 def attention_close(got, ref, dtype):
@@ -404,7 +458,7 @@ def test_decode_attention(dtype, D, G):
     kc2[start:start + length], vc2[start:start + length] = kc[good[:length]], vc[good[:length]]
     got2 = cpu_native.decode_attention(q, kc2, vc2, scale, start=start, length=length)
     run = torch.arange(start, start + length).expand(3, length)
-    ref2 = attention_layer.decode_attention(q, kc2[run], vc2[run], None, scale)
+    ref2 = attention_layer.decode_attention(q.float(), kc2[run], vc2[run], None, scale)
     attention_close(got2, ref2, dtype)
     assert torch.equal(got2, cpu_native.decode_attention(q, kc2, vc2, scale, slots=run.contiguous()))
     assert torch.equal(got2[1:2], cpu_native.decode_attention(q[1:2], kc2, vc2, scale, start=start, length=length))

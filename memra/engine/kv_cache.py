@@ -70,12 +70,14 @@ class ContiguousKVCache:
         end = start + t
         if end > self.max_len:
             raise ContextOverflowError(f"sequence of {end} tokens exceeds the KV cache capacity of {self.max_len}")
+        lo = 0 if window is None else max(0, start - window + 1)
+        if t == 1 and q.device.type == "cpu" and self.k[layer].dtype == torch.float32 and cpu_native.enabled():
+            # the write and the attention over lo..end (every key visible to the one query) in one call
+            return cpu_native.decode_attention(q, self.k[layer], self.v[layer], scale, start=lo, length=end - lo,
+                                               k_new=k, v_new=v, write_pos=start)
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v
-        lo = 0 if window is None else max(0, start - window + 1)
         if t == 1 and q.device.type == "cpu":  # every key in lo..end is visible to the one query
-            if cpu_native.enabled() and self.k[layer].dtype == torch.float32:
-                return cpu_native.decode_attention(q, self.k[layer], self.v[layer], scale, start=lo, length=end - lo)
             return decode_attention(q, self.k[layer][None, lo:end], self.v[layer][None, lo:end], None, scale)
         return attention(q, self.k[layer][lo:end], self.v[layer][lo:end], self.positions[start:end],
                          self.positions[lo:end], window, scale)

@@ -115,7 +115,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.memra_rmsnorm_add.restype = None
     lib.memra_rope.argtypes = [p, i, i, L, i, i, i, p, p, i]
     lib.memra_rope.restype = None
-    lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, i]
+    lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, p, p, i, p, L, i]
     lib.memra_decode_attention.restype = i
     lib.memra_gemv_f32.argtypes = [p, i, i, L, p, i, i, i, p, p, p, p, i, f, i]
     lib.memra_gemv_f32.restype = None
@@ -410,7 +410,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                      slots: torch.Tensor | None = None, start: int = 0, length: int | None = None,
-                     lens: torch.Tensor | None = None) -> torch.Tensor:
+                     lens: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None, write_slots: torch.Tensor | None = None,
+                     write_pos: int | None = None) -> torch.Tensor:
     """One query per sequence over its cached keys, in one native call (fp32 math): the CPU twin
     of memra/layers/attention.py ``decode_attention`` without the gather.
 
@@ -422,6 +424,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         slots: int64 [B, L]: sequence b's keys are slots[b, :lens[b]]; None: every sequence
             reads slots start .. start + length - 1.
         lens: int64 [B] (with ``slots``; None: all L).
+        k_new, v_new: this step's keys and values [B, KV, D] (fp32 or bf16, one dtype), written into
+            the caches first (the slot of row b: ``write_slots[b]``, int64 [B], or ``write_pos``
+            when B = 1), so that the cache write and the attention are one call.
     Returns [B, H, D] in q's dtype. Raises: ValueError for shapes or dtypes it does not take;
     RuntimeError if its scratch could not be allocated.
     """
@@ -437,6 +442,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         L = S - start if length is None else length
         ok = ok and 0 <= start and start + L <= S
+    if k_new is not None:
+        ok = ok and v_new is not None and k_new.shape == v_new.shape == (B, KV, D) and k_new.dtype == v_new.dtype \
+            and k_new.dtype in _FLOATS and ((write_slots is not None and write_slots.dtype == torch.int64
+                                             and write_slots.shape == (B,)) or (write_pos is not None and B == 1
+                                                                                and 0 <= write_pos < S))
     if not ok:
         raise ValueError(f"native decode_attention: q {q.dtype} {tuple(q.shape)}, caches {k_cache.dtype} "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, slots "
@@ -450,7 +460,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = lib.memra_decode_attention(q.data_ptr(), q.dtype == torch.bfloat16, B, H, KV, D, k_cache.data_ptr(),
                                     v_cache.data_ptr(), None if slots is None else slots.data_ptr(), start, L,
                                     None if lens is None else lens.data_ptr(), scale, out.data_ptr(),
-                                    q.dtype == torch.bfloat16, torch.get_num_threads())
+                                    q.dtype == torch.bfloat16, None if k_new is None else k_new.contiguous().data_ptr(),
+                                    None if v_new is None else v_new.contiguous().data_ptr(),
+                                    k_new is not None and k_new.dtype == torch.bfloat16,
+                                    None if write_slots is None else write_slots.contiguous().data_ptr(),
+                                    -1 if write_pos is None else write_pos, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("native decode_attention: scratch allocation failed")
     return out

@@ -176,6 +176,11 @@ class Attention(KernelLayer):
                                 1e-6 if qn is None else qn.eps, cos, sin)
         if qn is None and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float32) \
                 and cpu_native.enabled():
+            H, D = q.shape[1], q.shape[2]
+            if k.data_ptr() == q.data_ptr() + H * D * q.element_size() and k.stride() == q.stride():
+                # k's heads follow q's in the qkv row: both in one call
+                cpu_native.rope_(q.as_strided((q.shape[0], H + k.shape[1], D), q.stride()), cos, sin)
+                return q, k
             return cpu_native.rope_(q, cos, sin), cpu_native.rope_(k, cos, sin)  # in place (fresh qkv output)
         if qn is not None:
             q, k = qn(q), kn(k)

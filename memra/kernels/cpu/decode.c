@@ -453,10 +453,13 @@ static inline float exp_shift_sum(float *sh, int n, float m) {
  * j-th key is slot idx[b * L + j] (idx NULL: slot lo + j), for j < lens[b] (lens NULL: L).
  * out[b, h] = softmax_j(q[b, h] . k_j * scale) . v_j, GQA: query head h reads KV head h / (H / KV).
  * One task per (b, KV head) with its G = H / KV query heads (each key and value row read once for
- * all of them), a fixed order over j: a result does not depend on B, H or the threads. */
-int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, const float *kc, const float *vc,
+ * all of them), a fixed order over j: a result does not depend on B, H or the threads.
+ * k_new / v_new [B, KV, D] (fp32 or bf16, NULL: none): this step's keys and values, written to slot
+ * wslots[b] (wslots NULL: slot wpos, B = 1) before the attention reads them. */
+int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, float *kc, float *vc,
                            const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
-                           int out_bf16, int nthreads) {
+                           int out_bf16, const void *k_new, const void *v_new, int new_bf16, const int64_t *wslots,
+                           long wpos, int nthreads) {
     const int G = H / KV;
     int err = 0;
     if (nthreads < 1) nthreads = 1;
@@ -476,6 +479,13 @@ int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int 
             const long b = task / KV, g = task % KV;
             const int n = lens ? (int)lens[b] : L;
             const long h0 = b * H + g * G; /* the group's first query head (row of q / out) */
+            if (k_new) { /* this step's key and value of (b, g) into their slot first: the query sees them */
+                const long ws = wslots ? wslots[b] : wpos;
+                for (int i = 0; i < D; i++) {
+                    kc[(ws * KV + g) * D + i] = load_x(k_new, new_bf16, (b * KV + g) * D + i);
+                    vc[(ws * KV + g) * D + i] = load_x(v_new, new_bf16, (b * KV + g) * D + i);
+                }
+            }
             for (int h = 0; h < G; h++)
                 for (int i = 0; i < D; i++) qv[h * D + i] = load_x(q, q_bf16, (h0 + h) * D + i) * scale;
             for (int j = 0; j < n; j++) {
