@@ -68,8 +68,9 @@ AGREEMENT_TEXT = (
 
 def decode_bytes(model, context: float) -> dict:
     """Bytes a decode step of ``model`` (a :class:`memra.models.base.CausalLM` on the CPU) reads:
-    each Linear's stored weight once (int4: packed codes + bf16 scale/zero; dense: the matrix in
-    its dtype; the dense copy an int4 layer keeps for prefill is not read at decode), one embedding row,
+    each Linear's stored weight once (native: codes + scales + offsets; int4: packed codes + bf16
+    scale/zero; dense: the matrix in its dtype; the dense copy a native or int4 layer keeps for
+    prefill is not read at decode), one embedding row,
     the norms, and the fp32 KV cache of ``context`` tokens.
     Returns ``{"weights": bytes, "kv": bytes, "total": bytes}``."""
     from memra.layers.linear import Embedding, Linear
@@ -78,6 +79,9 @@ def decode_bytes(model, context: float) -> dict:
     w = 0
     for mod in model.modules():
         if isinstance(mod, Linear):
+            if mod.kernel == "native":
+                w += mod.native.nbytes + (0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size())
+                continue
             read = [mod.packed, mod.scale_zero] if mod.kernel == "int4" else [mod.stored]
             w += sum(t.numel() * t.element_size() for t in read + ([] if mod.bias is None else [mod.bias]))
         elif isinstance(mod, Embedding):

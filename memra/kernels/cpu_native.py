@@ -118,7 +118,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, p, p, i, p, L, i]
     lib.memra_decode_attention.restype = i
     lib.memra_gemv_f32.argtypes = [p, i, i, L, p, i, i, i, p, p, p, p, i, f, i]
-    lib.memra_gemv_f32.restype = None
+    lib.memra_gemv_f32.restype = i
     lib.memra_topk.argtypes = [p, i, L, i, p, i]
     lib.memra_topk.restype = None
     lib.memra_has_avx2.restype = i
@@ -341,9 +341,12 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
         if x.dtype != torch.float32 or out_dtype != torch.float32:
             raise ValueError(f"native gemv: a weight packed exact takes and gives fp32 (x {x.dtype}, out {out_dtype})")
         y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n)
-        lib.memra_gemv_f32(x.data_ptr(), T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp, w.scales.data_ptr(),
-                           None if w.offsets is None else w.offsets.data_ptr(), None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), mode, -1.0 if limit is None else float(limit), torch.get_num_threads())
+        rc = lib.memra_gemv_f32(x.data_ptr(), T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
+                                w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
+                                None if bias is None else bias.data_ptr(), y.data_ptr(), mode,
+                                -1.0 if limit is None else float(limit), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native gemv: scratch allocation for {T} x {w.k} activations failed")
         return y
     y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n, dtype=out_dtype)
     rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,

@@ -317,7 +317,7 @@ static int scratch(long nq, long nd) {
         tl_d = (float *)aligned_alloc(64, (size_t)((2 * nd * sizeof(float) + 63) / 64 * 64));
         tl_cap_d = tl_d ? nd : 0;
     }
-    return tl_q && tl_d ? 0 : -1;
+    return (nq > 0 && !tl_q) || (nd > 0 && !tl_d) ? -1 : 0;
 }
 
 /* y = x W^T for x [T, K] (fp32 or bf16), W [N, K] packed (scale rows padded to nbp blocks of 32,
@@ -326,7 +326,6 @@ static int scratch(long nq, long nd) {
 int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
                const uint16_t *scales, const uint16_t *offsets, const float *bias, void *y, int y_bf16, int mode,
                float limit, int nthreads) {
-    const long nb = K / 32;
     if (scratch((long)T * K, (long)T * nbp)) return -1;
     int8_t *q = tl_q;
     float *d = tl_d, *ds = tl_d + (long)T * nbp;
@@ -334,6 +333,9 @@ int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *c
     long rows = mode == MODE_SWIGLU ? N / 2 : N;
     if (nthreads < 1) nthreads = 1;
     if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
+    /* the activations are quantized by the calling thread (a few µs at decode): the parallel region
+     * then has no barrier but its end (a barrier costs a time slice when the CPUs are oversubscribed) */
+    memra_quantize_q8(x, x_bf16, T, K, nbp, q, d, ds);
 #pragma omp parallel num_threads(nthreads)
     {
         int nt = 1, id = 0;
@@ -341,12 +343,6 @@ int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *c
         nt = omp_get_num_threads();
         id = omp_get_thread_num();
 #endif
-        for (long tb = id; tb < (long)T * nbp; tb += nt) { /* block b of token t, padding zeroed */
-            long t = tb / nbp, b = tb % nbp;
-            if (b < nb) d[tb] = quantize_block(x, x_bf16, t * K + b * 32, q + t * K + b * 32, ds + tb);
-            else d[tb] = ds[tb] = 0.0f;
-        }
-#pragma omp barrier
         long per = (rows + nt - 1) / nt;
         long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
@@ -568,38 +564,68 @@ typedef struct {
     int fmt, wb, K, nbp;
 } weight_f32_t;
 
+/* Row r times TT activations; xs [TT, nb]: each activation block's sum (the offset term's factor).
+ * Per block: sum_j (s c_j + o) x_j = s (sum_j c_j x_j) + o (sum_j x_j), the inner sum over the
+ * integer-valued codes in fp32 (exact products), so each weight is used exactly as decoded. */
 static inline __attribute__((always_inline)) void row_dot_f32(const weight_f32_t *w, long r, int TT, const float *x,
-                                                              float *out) {
+                                                              const float *xs, float *out) {
     const int K = w->K, nb = K / 32, spb = 32 / w->wb;
     const float *sc = w->scales + r * (long)w->nbp * spb;
     const float *of = w->offsets ? w->offsets + r * (long)w->nbp : NULL;
     const uint8_t *cr = w->codes + r * (long)(w->fmt == FMT_U4 ? K / 2 : K);
 #ifdef MEMRA_AVX2
     __m256 acc[4][2];
+    float off[4] = {0, 0, 0, 0};
     for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m256i c32 = w->fmt == FMT_U4 ? unpack_u4(cr + b * 16) : _mm256_loadu_si256((const __m256i *)(cr + b * 32));
-        __m128i h[2] = {_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1)};
-        const __m256 o = _mm256_set1_ps(of ? of[b] : 0.0f);
-        for (int g = 0; g < 4; g++) { /* weights 8g .. 8g + 7 */
-            __m128i part = g & 1 ? _mm_srli_si128(h[g >> 1], 8) : h[g >> 1];
-            __m256i ci = w->fmt == FMT_U4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
-            const __m256 s = _mm256_set1_ps(sc[b * spb + (spb == 2 ? g >> 1 : 0)]);
-            const __m256 wv = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ci), o);
-            for (int t = 0; t < TT; t++)
-                acc[t][g & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (long)t * K + b * 32 + 8 * g), acc[t][g & 1]);
+        __m128i lo = _mm256_castsi256_si128(c32), hi = _mm256_extracti128_si256(c32, 1);
+        __m256 cf[4];
+        if (w->fmt == FMT_U4) {
+            cf[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            cf[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            cf[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            cf[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        } else {
+            cf[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+            cf[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+            cf[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+            cf[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        }
+        const int a = TT == 1 ? (b & 1) : 0; /* never a runtime index into acc: b & 1 is folded below */
+        for (int t = 0; t < TT; t++) {
+            const float *xb = x + (long)t * K + b * 32;
+            __m256 p = _mm256_mul_ps(cf[0], _mm256_loadu_ps(xb));
+            p = _mm256_fmadd_ps(cf[1], _mm256_loadu_ps(xb + 8), p);
+            if (spb == 2) { /* a scale per 16 */
+                __m256 p2 = _mm256_mul_ps(cf[2], _mm256_loadu_ps(xb + 16));
+                p2 = _mm256_fmadd_ps(cf[3], _mm256_loadu_ps(xb + 24), p2);
+                __m256 s = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[2 * b]), _mm256_mul_ps(p2, _mm256_set1_ps(sc[2 * b + 1])));
+                if (a) acc[t][1] = _mm256_add_ps(acc[t][1], s);
+                else acc[t][0] = _mm256_add_ps(acc[t][0], s);
+            } else {
+                p = _mm256_fmadd_ps(cf[2], _mm256_loadu_ps(xb + 16), p);
+                p = _mm256_fmadd_ps(cf[3], _mm256_loadu_ps(xb + 24), p);
+                if (a) acc[t][1] = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[b]), acc[t][1]);
+                else acc[t][0] = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[b]), acc[t][0]);
+            }
+            if (of) off[t] += of[b] * xs[(long)t * nb + b];
         }
     }
-    for (int t = 0; t < TT; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int t = 0; t < TT; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + off[t];
 #else
     float acc[4] = {0, 0, 0, 0};
     for (int b = 0; b < nb; b++) {
-        for (int j = 0; j < 32; j++) {
-            int c;
-            if (w->fmt == FMT_U4) c = j < 16 ? (cr[b * 16 + j] & 15) : (cr[b * 16 + j - 16] >> 4);
-            else c = (int8_t)cr[b * 32 + j];
-            const float wv = fmaf(sc[b * spb + j / w->wb], (float)c, of ? of[b] : 0.0f);
-            for (int t = 0; t < TT; t++) acc[t] = fmaf(wv, x[(long)t * K + b * 32 + j], acc[t]);
+        for (int t = 0; t < TT; t++) {
+            float p[2] = {0, 0};
+            for (int j = 0; j < 32; j++) {
+                int c;
+                if (w->fmt == FMT_U4) c = j < 16 ? (cr[b * 16 + j] & 15) : (cr[b * 16 + j - 16] >> 4);
+                else c = (int8_t)cr[b * 32 + j];
+                p[j >= 16] += (float)c * x[(long)t * K + b * 32 + j];
+            }
+            acc[t] += spb == 2 ? p[0] * sc[2 * b] + p[1] * sc[2 * b + 1] : (p[0] + p[1]) * sc[b];
+            if (of) acc[t] += of[b] * xs[(long)t * nb + b];
         }
     }
     for (int t = 0; t < TT; t++) out[t] = acc[t];
@@ -621,9 +647,10 @@ static inline void prefetch_row_f32(const weight_f32_t *w, long r) {
 }
 
 static inline __attribute__((always_inline)) void rows_block_f32(const weight_f32_t *w, int TT, long r0, long r1,
-                                                                 int t0, const float *x, const float *bias, float *y,
-                                                                 long N, int mode, float limit) {
-    const float *xt = x + (long)t0 * w->K;
+                                                                 int t0, const float *x, const float *xsum,
+                                                                 const float *bias, float *y, long N, int mode,
+                                                                 float limit) {
+    const float *xt = x + (long)t0 * w->K, *xs = xsum + (long)t0 * (w->K / 32);
     float a[4], b[4];
     const long I = N / 2;
     for (long r = r0; r < r0 + PREFETCH_ROWS && r < r1; r++) {
@@ -635,9 +662,9 @@ static inline __attribute__((always_inline)) void rows_block_f32(const weight_f3
             prefetch_row_f32(w, r + PREFETCH_ROWS);
             if (mode == MODE_SWIGLU) prefetch_row_f32(w, r + I + PREFETCH_ROWS);
         }
-        row_dot_f32(w, r, TT, xt, a);
+        row_dot_f32(w, r, TT, xt, xs, a);
         if (mode == MODE_SWIGLU) {
-            row_dot_f32(w, r + I, TT, xt, b);
+            row_dot_f32(w, r + I, TT, xt, xs, b);
             for (int t = 0; t < TT; t++) {
                 float g = a[t] + (bias ? bias[r] : 0.0f), u = b[t] + (bias ? bias[r + I] : 0.0f);
                 float sg = silu(g);
@@ -653,11 +680,19 @@ static inline __attribute__((always_inline)) void rows_block_f32(const weight_f3
     }
 }
 
-void memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
-                    const float *scales, const float *offsets, const float *bias, float *y, int mode, float limit,
-                    int nthreads) {
+int memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
+                   const float *scales, const float *offsets, const float *bias, float *y, int mode, float limit,
+                   int nthreads) {
     weight_f32_t w = {codes, scales, offsets, fmt, wb, K, nbp};
     long rows = mode == MODE_SWIGLU ? N / 2 : N;
+    const long nb = K / 32;
+    if (scratch(0, (long)T * nb)) return -1;
+    float *xs = tl_d; /* block sums of x */
+    for (long tb = 0; tb < (long)T * nb; tb++) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += x[tb * 32 + i];
+        xs[tb] = s;
+    }
     if (nthreads < 1) nthreads = 1;
     if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
 #pragma omp parallel num_threads(nthreads)
@@ -671,11 +706,12 @@ void memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, 
         long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
             switch (T - t0 < 4 ? T - t0 : 4) {
-            case 1: rows_block_f32(&w, 1, r0, r1, t0, x, bias, y, N, mode, limit); break;
-            case 2: rows_block_f32(&w, 2, r0, r1, t0, x, bias, y, N, mode, limit); break;
-            case 3: rows_block_f32(&w, 3, r0, r1, t0, x, bias, y, N, mode, limit); break;
-            default: rows_block_f32(&w, 4, r0, r1, t0, x, bias, y, N, mode, limit); break;
+            case 1: rows_block_f32(&w, 1, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
+            case 2: rows_block_f32(&w, 2, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
+            case 3: rows_block_f32(&w, 3, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
+            default: rows_block_f32(&w, 4, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
             }
         }
     }
+    return 0;
 }
