@@ -50,6 +50,11 @@ def within_bf16(got: torch.Tensor, ref: torch.Tensor, slack: float) -> bool:
     return bool(((got.float() - ref).abs() <= ref.abs() * 2.0**-8 + slack).all())
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical fp32 tensors (NaN included)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def native_terms(w: cpu_native.NativeWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed weight's codes, scales and offsets, each fp32 [n, k] per weight (from its public
     fields: the kernel's layout as decode.c's header states it)."""
@@ -275,23 +280,24 @@ def test_gemv_swiglu(name, limit):
 def test_gemv_threads_and_concurrent_callers():
     """The output does not depend on the thread count (each row is one thread's, in a fixed order),
     and Python threads calling at once (ctypes releases the GIL; each has its own scratch) get what
-    one caller gets, across calls of different row counts (the scratch regrows)."""
+    one caller gets, across calls of different row counts (the scratch regrows) alternating int8
+    (bf16 x) and exact (fp32 x) weights, which share the scratch."""
     parts, _ = make_stack("Q4_K+Q5_1", 256, seed=5)
-    w = cpu_native.pack_weight(parts)
+    w, we = cpu_native.pack_weight(parts), cpu_native.pack_weight(parts, exact=True)
     g = torch.Generator().manual_seed(6)
-    xs = [torch.randn(t, 256, generator=g).to(torch.bfloat16) for t in (1, 8, 3, 5, 2, 4) * 4]
-    ref = [cpu_native.gemv(x, w) for x in xs]
+    calls = [(torch.randn(t, 256, generator=g).to(dtype), w if dtype == torch.bfloat16 else we)
+             for t in (1, 8, 3, 5, 2, 4) * 3 for dtype in (torch.bfloat16, torch.float32)]
+    ref = [cpu_native.gemv(x, v) for x, v in calls]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert all(torch.equal(cpu_native.gemv(x, w), r) for x, r in zip(xs, ref))
+        assert all(torch.equal(cpu_native.gemv(x, v), r) for (x, v), r in zip(calls, ref))
     finally:
         torch.set_num_threads(threads)
     results: dict[int, list[torch.Tensor]] = {}
 
     def work(i: int) -> None:
-        order = xs[i::3]
-        results[i] = [cpu_native.gemv(x, w) for x in order for _ in range(3)][::3]
+        results[i] = [cpu_native.gemv(x, v) for _ in range(3) for x, v in calls[i::3]]
 
     pool = [threading.Thread(target=work, args=(i,)) for i in range(3)]
     for t in pool:
@@ -299,7 +305,27 @@ def test_gemv_threads_and_concurrent_callers():
     for t in pool:
         t.join()
     for i in range(3):
-        assert all(torch.equal(a, b) for a, b in zip(results[i], ref[i::3])), i
+        assert len(results[i]) == 3 * len(ref[i::3])
+        assert all(torch.equal(a, b) for a, b in zip(results[i], ref[i::3] * 3)), i
+
+
+def test_gemv_of_no_rows():
+    """x [0, K] gives y [0, N] (int8 and exact weights), also as a thread's first call (a fresh
+    thread: no scratch allocated yet)."""
+    parts = [qtensor(Q.Q4_0, 64, 256, np.random.default_rng(81))]
+    w, we = cpu_native.pack_weight(parts), cpu_native.pack_weight(parts, exact=True)
+    box: list = []
+
+    def first_call() -> None:
+        try:
+            box.extend(cpu_native.gemv(torch.randn(0, 256), v).shape for v in (w, we))
+        except RuntimeError as e:
+            box.append(e)
+
+    t = threading.Thread(target=first_call)
+    t.start()
+    t.join()
+    assert box == [torch.Size([0, 64])] * 2, box
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,7 +393,7 @@ def test_rope_on_strided_views(dtype, rot, T):
     rotated in one call as one [T, H + KV, D] view give the same bits."""
     H, KV, D = 5, 2, 64
     g = torch.Generator().manual_seed(rot * 10 + T)
-    for cs_dtype in {dtype, torch.float32}:
+    for cs_dtype in dict.fromkeys([dtype, torch.float32]):  # x's dtype, then fp32 (once for fp32 x)
         qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)
         before = qkv.clone()
         cos, sin = rope_tables(T, rot, cs_dtype, g)
@@ -464,6 +490,66 @@ def test_decode_attention(dtype, D, G):
     tail = cpu_native.decode_attention(q, kc2[:start + length].contiguous(), vc2[:start + length].contiguous(), scale,
                                        start=start)  # length None: to the cache's end
     assert torch.equal(tail, got2)
+
+
+@pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_attention_writes_the_step(new_dtype):
+    """decode_attention with k_new / v_new: this step's keys and values land in their cache slots
+    (widened to fp32, bit-exact; nothing else in the caches changes) before the query reads them,
+    so the output is bit-identical to writing them with torch first and attending then. Contiguous
+    form (write_pos, B = 1) and paged form (write_slots, B = 3, each sequence's last key the new
+    one), GQA 6 / 2, the new rows contiguous [B, KV, D]."""
+    H, KV, D, S, scale = 6, 2, 64, 96, 0.125
+    g = torch.Generator().manual_seed(71)
+    kc, vc = torch.randn(S, KV, D, generator=g), torch.randn(S, KV, D, generator=g)
+    # contiguous: keys 0 .. pos - 1 cached, the new one at pos; the slots after it garbage
+    pos = 41
+    kc[pos + 1:], vc[pos + 1:] = float("nan"), float("nan")
+    q = torch.randn(1, H, D, generator=g)
+    k_new, v_new = (torch.randn(1, KV, D, generator=g).to(new_dtype) for _ in range(2))
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[pos], ref_v[pos] = k_new[0].float(), v_new[0].float()
+    ref = cpu_native.decode_attention(q, ref_k, ref_v, scale, start=3, length=pos + 1 - 3)
+    got = cpu_native.decode_attention(q, kc, vc, scale, start=3, length=pos + 1 - 3, k_new=k_new, v_new=v_new,
+                                      write_pos=pos)
+    assert same_bits(kc, ref_k) and same_bits(vc, ref_v) and torch.equal(got, ref)
+    # paged: fresh slots per sequence, the written one last
+    lens = torch.tensor([5, 1, 12])
+    perm = torch.randperm(S, generator=g)
+    slots = perm[:36].view(3, 12).clone()
+    ws = slots[torch.arange(3), lens - 1].contiguous()
+    q = torch.randn(3, H, D, generator=g)
+    k_new, v_new = (torch.randn(3, KV, D, generator=g).to(new_dtype) for _ in range(2))
+    kc.normal_(generator=g)
+    vc.normal_(generator=g)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[ws], ref_v[ws] = k_new.float(), v_new.float()
+    ref = cpu_native.decode_attention(q, ref_k, ref_v, scale, slots=slots, lens=lens)
+    attention_close(ref, attention_ref(q, ref_k, ref_v, slots, lens, scale), torch.float32)
+    got = cpu_native.decode_attention(q, kc, vc, scale, slots=slots, lens=lens, k_new=k_new, v_new=v_new,
+                                      write_slots=ws)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v) and torch.equal(got, ref)
+    bad = dict(k_new=k_new, v_new=v_new, write_pos=0)  # write_pos needs B = 1
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(q, kc, vc, scale, slots=slots, lens=lens, **bad)
+    with pytest.raises(ValueError, match="native decode_attention"):
+        cpu_native.decode_attention(q, kc, vc, scale, slots=slots, k_new=k_new, v_new=v_new[:, :1], write_slots=ws)
+
+
+def test_decode_attention_writes_strided_new_rows():
+    """k_new / v_new as the strided views of a qkv row that memra/layers/attention.py makes (B = 3:
+    not contiguous) are written as they are."""
+    H, KV, D, S = 4, 2, 64, 100
+    g = torch.Generator().manual_seed(72)
+    kc, vc = torch.randn(S, KV, D, generator=g), torch.randn(S, KV, D, generator=g)
+    qkv = torch.randn(3, (H + 2 * KV) * D, generator=g)
+    q = qkv[:, :H * D].reshape(3, H, D)
+    k_new, v_new = qkv[:, H * D:(H + KV) * D].view(3, KV, D), qkv[:, (H + KV) * D:].view(3, KV, D)
+    assert not k_new.is_contiguous()
+    slots = torch.arange(48).view(3, 16)
+    ws = slots[:, -1].contiguous()
+    cpu_native.decode_attention(q, kc, vc, 0.1, slots=slots, k_new=k_new, v_new=v_new, write_slots=ws)
+    assert torch.equal(kc[ws], k_new) and torch.equal(vc[ws], v_new)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -703,3 +789,43 @@ def test_smollm2_native_on_and_off(dtype, monkeypatch):
     print(f"\nsmollm2-135m {dtype} greedy: native on vs off agree on the first {agree} of 24 tokens")
     assert all(len(t) == 24 for t in tok_on + tok_off)
     assert min(agree) >= (8 if dtype == "bfloat16" else 24), (agree, tok_on, tok_off)
+
+
+def test_bad_inputs_are_refused_or_propagate_like_torch():
+    """What review found: NaN / inf activations give NaN rows (not a silent finite result); a NaN
+    key gives NaN wherever it sits (vector body or scalar tail of the softmax); a SwiGLU clamp of 0
+    clamps (to 0); fp16 outputs, wrong bias lengths, odd SwiGLU rows, negative clamps, lengths past L
+    and slots outside the cache raise ValueError before anything is written."""
+    g = torch.Generator().manual_seed(99)
+    w = cpu_native.pack_weight([qtensor(QType.Q4_1, 64, 256, np.random.default_rng(5))])
+    x = torch.randn(3, 256, generator=g)
+    x[1, 7] = float("nan")
+    x[2, 40] = float("inf")
+    y = cpu_native.gemv(x, w)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    z = cpu_native.gemv(x[:1], w, mode=cpu_native.MODE_SWIGLU, limit=0.0)
+    assert torch.equal(z, torch.zeros_like(z))
+    for kw, match in ((dict(out_dtype=torch.float16), "out_dtype"), (dict(bias=torch.randn(63)), "bias"),
+                      (dict(mode=cpu_native.MODE_SWIGLU, limit=-1.0), "clamp")):
+        with pytest.raises(ValueError, match=match):
+            cpu_native.gemv(x[:1], w, **kw)
+    w_odd = cpu_native.pack_weight([qtensor(QType.Q4_1, 63, 256, np.random.default_rng(6))])
+    with pytest.raises(ValueError, match="even"):
+        cpu_native.gemv(x[:1], w_odd, mode=cpu_native.MODE_SWIGLU)
+
+    kc, vc = torch.randn(20, 1, 64, generator=g), torch.randn(20, 1, 64, generator=g)
+    q = torch.randn(1, 2, 64, generator=g)
+    for row in (3, 17):  # 3: in the first 8-lane chunk of the exp; 17: the scalar tail
+        k2 = kc.clone()
+        k2[row] = float("nan")
+        assert torch.isnan(cpu_native.decode_attention(q, k2, vc, 0.125, start=0, length=20)).all(), row
+    slots = torch.arange(8).view(1, 8)
+    before = kc.clone()
+    with pytest.raises(ValueError, match="length"):
+        cpu_native.decode_attention(q, kc, vc, 0.125, slots=slots, lens=torch.tensor([9]))
+    with pytest.raises(ValueError, match="slot"):
+        cpu_native.decode_attention(q, kc, vc, 0.125, slots=slots + 13)
+    with pytest.raises(ValueError, match="slot"):
+        cpu_native.decode_attention(q, kc, vc, 0.125, slots=slots, k_new=torch.randn(1, 1, 64),
+                                    v_new=torch.randn(1, 1, 64), write_slots=torch.tensor([20]))
+    assert torch.equal(kc, before)

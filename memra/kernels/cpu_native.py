@@ -115,7 +115,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.memra_rmsnorm_add.restype = None
     lib.memra_rope.argtypes = [p, i, i, L, i, i, i, p, p, i]
     lib.memra_rope.restype = None
-    lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, L, i, p, f, p, i, p, p, i, p, L, i]
+    lib.memra_decode_attention.argtypes = [p, i, i, i, i, i, p, p, L, p, L, i, p, f, p, i, p, p, i, p, L, i]
     lib.memra_decode_attention.restype = i
     lib.memra_gemv_f32.argtypes = [p, i, i, L, p, i, i, i, p, p, p, p, i, f, i]
     lib.memra_gemv_f32.restype = i
@@ -160,7 +160,7 @@ class NativeWeight:
 
     @property
     def exact(self) -> bool:
-        """fp32 block parameters (the float32 mode's kernel, :func:`gemv_exact`)."""
+        """fp32 block parameters (the float32 mode: :func:`gemv` takes fp32 activations then)."""
         return self.scales.dtype == torch.float32
 
     @property
@@ -177,7 +177,7 @@ class NativeWeight:
         return w.float()
 
     def _scales(self) -> torch.Tensor:
-        """fp16 [n, k / wb] (the padding dropped)."""
+        """[n, k / wb], fp16 or (exact) fp32: the padding dropped."""
         return self.scales[:, :self.k // self.wb]
 
     def _offsets(self) -> torch.Tensor:
@@ -332,8 +332,19 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
     lib = _need()
     if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in _FLOATS:
         raise ValueError(f"native gemv: x must be [T, {w.k}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
     out_dtype = out_dtype or x.dtype
+    if out_dtype not in _FLOATS:
+        raise ValueError(f"native gemv: out_dtype must be fp32 or bf16, got {out_dtype}")
+    if bias is not None and bias.shape != (w.n,):
+        raise ValueError(f"native gemv: bias must be [{w.n}], got {tuple(bias.shape)}")
+    if mode == MODE_SWIGLU and w.n % 2:
+        raise ValueError(f"native gemv: SwiGLU needs [gate | up] rows, an even count (got {w.n})")
+    if mode not in (MODE_STORE, MODE_SWIGLU):
+        raise ValueError(f"native gemv: unknown mode {mode}")
+    if limit is not None and not limit >= 0:
+        raise ValueError(f"native gemv: the SwiGLU clamp must be >= 0, got {limit}")
+    lim = float("nan") if limit is None else float(limit)
+    x = x.contiguous()
     T = x.shape[0]
     if bias is not None:
         bias = bias.float().contiguous()
@@ -343,8 +354,8 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
         y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n)
         rc = lib.memra_gemv_f32(x.data_ptr(), T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
                                 w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
-                                None if bias is None else bias.data_ptr(), y.data_ptr(), mode,
-                                -1.0 if limit is None else float(limit), torch.get_num_threads())
+                                None if bias is None else bias.data_ptr(), y.data_ptr(), mode, lim,
+                                torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native gemv: scratch allocation for {T} x {w.k} activations failed")
         return y
@@ -352,7 +363,7 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
     rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
                         w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
                         None if bias is None else bias.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, mode,
-                        -1.0 if limit is None else float(limit), torch.get_num_threads())
+                        lim, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"native gemv: scratch allocation of {T * w.k} bytes failed")
     return y
@@ -382,7 +393,7 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         raise ValueError(f"native rms_norm_add: x [T, D] fp32/bf16, weight fp32 [D], residual fp32 [T, D]; got x "
                          f"{x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, residual "
                          f"{None if residual is None else (residual.dtype, tuple(residual.shape))}")
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     T, D = x.shape
     out = torch.empty_like(x)
     s = torch.empty(T, D, dtype=torch.float32)
@@ -430,8 +441,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_new, v_new: this step's keys and values [B, KV, D] (fp32 or bf16, one dtype), written into
             the caches first (the slot of row b: ``write_slots[b]``, int64 [B], or ``write_pos``
             when B = 1), so that the cache write and the attention are one call.
-    Returns [B, H, D] in q's dtype. Raises: ValueError for shapes or dtypes it does not take;
-    RuntimeError if its scratch could not be allocated.
+    Returns [B, H, D] in q's dtype (zeros for a sequence with no keys, where softmax over nothing
+    is undefined). Raises: ValueError for shapes or dtypes it does not take, a length outside
+    [0, L] or a slot outside the cache (checked before anything is written); RuntimeError if its
+    scratch could not be allocated.
     """
     lib = _need()
     B, H, D = q.shape
@@ -454,20 +467,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"native decode_attention: q {q.dtype} {tuple(q.shape)}, caches {k_cache.dtype} "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, slots "
                          f"{None if slots is None else (slots.dtype, tuple(slots.shape))}, start {start}, L {L}")
+    # contiguous copies held in locals: they must outlive the call
     q = q.contiguous()
     out = torch.empty_like(q)
-    if slots is not None:
-        slots = slots.contiguous()
-        if lens is not None:
-            lens = lens.contiguous()
+    slots = None if slots is None else slots.contiguous()
+    lens = None if lens is None else lens.contiguous()
+    k_new = None if k_new is None else k_new.contiguous()
+    v_new = None if v_new is None else v_new.contiguous()
+    write_slots = None if write_slots is None else write_slots.contiguous()
     rc = lib.memra_decode_attention(q.data_ptr(), q.dtype == torch.bfloat16, B, H, KV, D, k_cache.data_ptr(),
-                                    v_cache.data_ptr(), None if slots is None else slots.data_ptr(), start, L,
+                                    v_cache.data_ptr(), S, None if slots is None else slots.data_ptr(), start, L,
                                     None if lens is None else lens.data_ptr(), scale, out.data_ptr(),
-                                    q.dtype == torch.bfloat16, None if k_new is None else k_new.contiguous().data_ptr(),
-                                    None if v_new is None else v_new.contiguous().data_ptr(),
+                                    q.dtype == torch.bfloat16, None if k_new is None else k_new.data_ptr(),
+                                    None if v_new is None else v_new.data_ptr(),
                                     k_new is not None and k_new.dtype == torch.bfloat16,
-                                    None if write_slots is None else write_slots.contiguous().data_ptr(),
+                                    None if write_slots is None else write_slots.data_ptr(),
                                     -1 if write_pos is None else write_pos, torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"native decode_attention: a length in lens is outside [0, {L}]")
+    if rc == -3:
+        raise ValueError(f"native decode_attention: a slot (read or written) is outside the cache's [0, {S})")
     if rc != 0:
         raise RuntimeError("native decode_attention: scratch allocation failed")
     return out

@@ -98,9 +98,10 @@ class Linear(KernelLayer):
       Q5_0, Q5_1, Q5_K, Q8_0, Q6_K; memra/kernels/cpu_native.py): at decode (up to
       :data:`NATIVE_MAX_ROWS` rows) the weight stays in 4-bit or int8 codes. bf16: the
       activations are quantized to int8 per 32 values (llama.cpp's q8_1 scheme), integer dot
-      products. float32: fp32 activations, each weight decoded in registers exactly as the
-      checkpoint's dequantizer gives it (fp32 block parameters): the exact mode reads ~5x fewer
-      bytes than a dense fp32 weight. Prefill takes the dense GEMM. Chosen over ``"int4"`` and
+      products. float32: fp32 activations and the block parameters in fp32 (the weights they
+      define are the checkpoint dequantizer's bit for bit), each block summed as
+      scale * sum(code x) + offset * sum(x) in fp32: the exact mode reads ~5x fewer bytes than
+      a dense fp32 weight, with fp32 rounding in the sums only. Prefill takes the dense GEMM. Chosen over ``"int4"`` and
       ``"dense"`` where the kernels compiled.
     - ``"int4"``: bf16 with every part in a per-32 affine format (Q4_0/Q4_1/Q4_K: one 4-bit
       digit; Q5_0/Q5_1/Q5_K/Q8_0: two, :func:`int4_digits`): torch's int4 group-wise CPU kernel

@@ -86,12 +86,19 @@ static inline float load_x(const void *x, int bf16, long i) {
 /* One 32-value block: q[32], returns d; *ds = d * sum(q). */
 static inline float quantize_block(const void *x, int bf16, long base, int8_t *q, float *ds) {
     float v[32], amax = 0.0f;
+    int nan = 0;
     for (int i = 0; i < 32; i++) {
         v[i] = load_x(x, bf16, base + i);
         float a = fabsf(v[i]);
         amax = a > amax ? a : amax;
+        nan |= v[i] != v[i];
     }
-    float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / 127.0f, id = d > 0.0f && d < INFINITY ? 1.0f / d : 0.0f;
+    if (nan || !(amax < INFINITY)) { /* a NaN or inf activation makes the products NaN, as a float GEMV's would */
+        memset(q, 0, 32);
+        *ds = NAN;
+        return NAN;
+    }
     int sum = 0;
     for (int i = 0; i < 32; i++) {
         int qi = (int)nearbyintf(v[i] * id);
@@ -285,7 +292,7 @@ static inline __attribute__((always_inline)) void rows_block(const weight_t *w, 
             for (int t = 0; t < TT; t++) {
                 float g = a[t] + (bias ? bias[i] : 0.0f), u = b[t] + (bias ? bias[i + I] : 0.0f);
                 float sg = silu(g);
-                if (limit > 0.0f) {
+                if (limit == limit) { /* NaN: no clamp */
                     sg = sg < limit ? sg : limit;
                     u = u < -limit ? -limit : (u > limit ? limit : u);
                 }
@@ -400,12 +407,12 @@ void memra_rope(void *x, int x_bf16, int T, long row_stride, int nh, int hd, int
 }
 
 /* exp of 8 floats <= 0 (the softmax's s - max): Cephes' expf method (exp(x) = 2^n exp(r), n =
- * round(x / ln 2), r by a two-part ln 2, a degree-5 polynomial; ~1 ulp), 0 below -87.3. */
+ * round(x / ln 2), r by a two-part ln 2, a degree-5 polynomial; ~1 ulp), 0 below -87.3, NaN kept. */
 #ifdef MEMRA_AVX2
 static inline __m256 exp_neg8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x); /* (lo > x ? lo : x): a NaN x stays NaN */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -451,13 +458,25 @@ static inline float exp_shift_sum(float *sh, int n, float m) {
  * One task per (b, KV head) with its G = H / KV query heads (each key and value row read once for
  * all of them), a fixed order over j: a result does not depend on B, H or the threads.
  * k_new / v_new [B, KV, D] (fp32 or bf16, NULL: none): this step's keys and values, written to slot
- * wslots[b] (wslots NULL: slot wpos, B = 1) before the attention reads them. */
-int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, float *kc, float *vc,
+ * wslots[b] (wslots NULL: slot wpos, B = 1) before the attention reads them. Returns 0; -1 if the
+ * scratch could not be allocated, -2 for a length outside [0, L], -3 for a slot outside [0, S)
+ * (nothing is read or written then). A sequence with no keys gets zeros. */
+int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, float *kc, float *vc, long S,
                            const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
                            int out_bf16, const void *k_new, const void *v_new, int new_bf16, const int64_t *wslots,
                            long wpos, int nthreads) {
     const int G = H / KV;
     int err = 0;
+    /* every slot read or written must lie in [0, S), every length in [0, L]: checked before any work */
+    for (long b = 0; b < B; b++) {
+        const long n = lens ? lens[b] : L;
+        if (n < 0 || n > L) return -2;
+        if (k_new && ((wslots ? wslots[b] : wpos) < 0 || (wslots ? wslots[b] : wpos) >= S)) return -3;
+        for (long j = 0; j < n; j++) {
+            const long slot = idx ? idx[b * L + j] : lo + j;
+            if (slot < 0 || slot >= S) return -3;
+        }
+    }
     if (nthreads < 1) nthreads = 1;
     if ((long)B * KV < nthreads) nthreads = B * KV;
 #pragma omp parallel num_threads(nthreads)
@@ -552,10 +571,10 @@ void memra_topk(const float *y, int R, long V, int k, int64_t *out, int nthreads
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* The exact (float32) mode's GEMV: fp32 activations, the weights decoded in registers with fp32
- * block parameters, w = fma(scale, code, offset): the product of a GGUF scale (<= 17 significant
- * bits) and a code (<= 8 bits) is exact in fp32, so w equals the gguf dequantizer's d * q + m
- * bit for bit; y = sum_k w_k x_k in fp32 (FMA, 8 lanes; the order differs from a BLAS sgemv's).
+/* The exact (float32) mode's GEMV: fp32 activations, the weights' block parameters in fp32, so the
+ * weights fma(scale, code, offset) equal the gguf dequantizer's d * q + m bit for bit (a GGUF scale
+ * has <= 17 significant bits, a code <= 8: their product is exact in fp32); the product is summed
+ * per block as scale * sum(code x) + offset * sum(x) in fp32 (row_dot_f32).
  * scales fp32 [N, nbp * 32 / wb], offsets fp32 [N, nbp] or NULL; codes as in memra_gemv
  * (S8 codes signed, U4 codes unsigned). x, y fp32. */
 typedef struct {
@@ -565,8 +584,9 @@ typedef struct {
 } weight_f32_t;
 
 /* Row r times TT activations; xs [TT, nb]: each activation block's sum (the offset term's factor).
- * Per block: sum_j (s c_j + o) x_j = s (sum_j c_j x_j) + o (sum_j x_j), the inner sum over the
- * integer-valued codes in fp32 (exact products), so each weight is used exactly as decoded. */
+ * Per block: sum_j (s c_j + o) x_j = s (sum_j c_j x_j) + o (sum_j x_j) with the block parameters
+ * kept exactly (fp32) and every sum in fp32: the rounding error is that of fp32 sums of s c x and
+ * o x terms (with cancellation where o ~ -8 s, as in Q4_0), not that of the weights. */
 static inline __attribute__((always_inline)) void row_dot_f32(const weight_f32_t *w, long r, int TT, const float *x,
                                                               const float *xs, float *out) {
     const int K = w->K, nb = K / 32, spb = 32 / w->wb;
@@ -668,7 +688,7 @@ static inline __attribute__((always_inline)) void rows_block_f32(const weight_f3
             for (int t = 0; t < TT; t++) {
                 float g = a[t] + (bias ? bias[r] : 0.0f), u = b[t] + (bias ? bias[r + I] : 0.0f);
                 float sg = silu(g);
-                if (limit > 0.0f) {
+                if (limit == limit) { /* NaN: no clamp */
                     sg = sg < limit ? sg : limit;
                     u = u < -limit ? -limit : (u > limit ? limit : u);
                 }
