@@ -198,8 +198,9 @@ static inline __attribute__((always_inline)) void row_dot(const weight_t *w, lon
             }
         }
         const int jn = nb - b0 < 8 ? nb - b0 : 8;
-        /* blocks in pairs: at one token the pair feeds two accumulators (the FMA latency); the
-         * accumulators are indexed by literals only, so they stay in registers */
+        /* blocks in pairs feeding two accumulators per token (the FMA latency), whatever TT: a
+         * token's result does not depend on the tokens beside it; the accumulators are indexed by
+         * literals only, so they stay in registers */
 #define MEMRA_BLOCK(J, A)                                                                                      \
     do {                                                                                                       \
         const int b = b0 + (J);                                                                                \
@@ -215,7 +216,7 @@ static inline __attribute__((always_inline)) void row_dot(const weight_t *w, lon
         int j = 0;
         for (; j + 1 < jn; j += 2) {
             MEMRA_BLOCK(j, 0);
-            MEMRA_BLOCK(j + 1, TT == 1 ? 1 : 0);
+            MEMRA_BLOCK(j + 1, 1);
         }
         if (j < jn) MEMRA_BLOCK(j, 0);
 #undef MEMRA_BLOCK
@@ -612,7 +613,8 @@ static inline __attribute__((always_inline)) void row_dot_f32(const weight_f32_t
             cf[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
             cf[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
         }
-        const int a = TT == 1 ? (b & 1) : 0; /* never a runtime index into acc: b & 1 is folded below */
+        const int a = b & 1; /* two chains per token, whatever TT (a token's sum does not depend on the
+                              * tokens beside it); never a runtime index into acc: branched below */
         for (int t = 0; t < TT; t++) {
             const float *xb = x + (long)t * K + b * 32;
             __m256 p = _mm256_mul_ps(cf[0], _mm256_loadu_ps(xb));
