@@ -773,22 +773,43 @@ def greedy(dtype: str) -> tuple[list[list[int]], set[str]]:
     return [o.outputs[0].token_ids for o in out], kernels
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_smollm2_native_on_and_off(dtype, monkeypatch):
-    """smollm2-135m, greedy, 24 tokens of 2 prompts, with the native kernels (every linear layer
-    "native") and with them off (torch_cpu_paths: int4 / dense): bfloat16 agrees on the first 8
-    tokens of each prompt (int8 against bf16-rounded activations); float32 (exact weights, only
-    the sums' order differs) on all 24."""
+def test_smollm2_native_on_and_off(monkeypatch):
+    """smollm2-135m, greedy, 24 tokens of 2 prompts, native kernels on (every linear layer
+    "native") and off (torch paths: dense fp32): float32 (exact weights, only the sums' order
+    differs) gives the same 24 tokens. bfloat16 (int8 activations) is judged against float32,
+    teacher-forced one decode step at a time over float32's own tokens: its greedy choice agrees at
+    >= 90 % of the positions (``memra bench cpu`` measures 97.8 % over its 316-token text; free-running
+    greedy texts of two approximations may part at any near-tie, so they are not compared)."""
+    from memra import LLM
+    from memra.engine.kv_cache import ContiguousKVCache, kv_storage_dtype
+
     assert cpu_native.enabled()
-    tok_on, kernels_on = greedy(dtype)
+    tok_on, kernels_on = greedy("float32")
     assert kernels_on == {"native"}, kernels_on
     monkeypatch.setattr(cpu_native, "ENABLED", False)
-    tok_off, kernels_off = greedy(dtype)
+    tok_off, kernels_off = greedy("float32")
     assert "native" not in kernels_off
-    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tok_on, tok_off)]
-    print(f"\nsmollm2-135m {dtype} greedy: native on vs off agree on the first {agree} of 24 tokens")
     assert all(len(t) == 24 for t in tok_on + tok_off)
-    assert min(agree) >= (8 if dtype == "bfloat16" else 24), (agree, tok_on, tok_off)
+    assert tok_on == tok_off
+    monkeypatch.setattr(cpu_native, "ENABLED", True)
+
+    llm = LLM("smollm2-135m", dtype="bfloat16")
+    assert {m.kernel for m in llm.model.modules() if isinstance(m, Linear)} == {"native"}
+    agree = total = 0
+    with torch.inference_mode():
+        for prompt, toks in zip(PROMPTS, tok_on):
+            ids = llm.tokenizer.encode(prompt) + toks
+            kv = ContiguousKVCache(llm.config, len(ids) + 1, kv_storage_dtype(llm.model.dtype, "cpu"))
+            n0 = len(ids) - len(toks)
+            h = llm.model(torch.tensor(ids[:n0]), torch.arange(n0), kv)
+            kv.advance(n0)
+            for i in range(n0, len(ids)):
+                agree += int(llm.model.logits(h[-1]).argmax()) == ids[i]
+                total += 1
+                h = llm.model(torch.tensor([ids[i]]), torch.tensor([i]), kv)
+                kv.advance(1)
+    print(f"\nsmollm2-135m bfloat16 native: float32's greedy token at {agree} of {total} positions")
+    assert agree >= 0.9 * total, (agree, total)
 
 
 def test_bad_inputs_are_refused_or_propagate_like_torch():

@@ -150,6 +150,7 @@ class Linear(KernelLayer):
         parts = self.qweights
         if self.kernel == "native":  # float32: fp32 block parameters, weights decoded exactly
             self.native = cpu_native.pack_weight(parts, exact=self.dtype == torch.float32)
+            self._bias32 = None if self.bias is None else self.bias.float().contiguous()
         if self.kernel == "int4":
             codes, scale_zero, _ = int4_digits(parts)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
@@ -243,6 +244,9 @@ class Linear(KernelLayer):
                                limit=limit).reshape(*x.shape[:-1], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native" and self._built and x.dim() == 2 and 0 < x.shape[0] <= NATIVE_MAX_ROWS \
+                and x.shape[1] == self.in_features and x.dtype == self.dtype and x.is_contiguous():
+            return cpu_native.gemv_fast(x, self.native, self._bias32, self.dtype)  # the decode loop's path
         if self.kernel == "gpu":
             return gpu_linear(x, self.packed_weight, self.bias)
         if not self._built:
