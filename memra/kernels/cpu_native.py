@@ -465,6 +465,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lib = _need()
     B, H, D = q.shape
     S, KV, Dk = k_cache.shape
+    if (slots is None and k_new is not None and write_pos is not None and B == 1 and q.is_contiguous()
+            and k_new.is_contiguous() and v_new.is_contiguous() and q.dtype == k_new.dtype == v_new.dtype
+            and q.dtype in _FLOATS and k_new.shape == v_new.shape == (1, KV, D) and Dk == D and H % KV == 0
+            and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and v_cache.shape == k_cache.shape and length is not None
+            and 0 <= start and start + length <= S and 0 <= write_pos < S):
+        # the contiguous cache's decode step (memra/engine/kv_cache.py): checked here, no copies
+        out = torch.empty_like(q)
+        bf = q.dtype == torch.bfloat16
+        rc = lib.memra_decode_attention(q.data_ptr(), bf, 1, H, KV, D, k_cache.data_ptr(), v_cache.data_ptr(), S,
+                                        None, start, length, None, scale, out.data_ptr(), bf, k_new.data_ptr(),
+                                        v_new.data_ptr(), bf, None, write_pos, torch.get_num_threads())
+        if rc == 0:
+            return out
+        raise RuntimeError(f"native decode_attention: error {rc}")
     ok = (q.dtype in _FLOATS and k_cache.dtype == v_cache.dtype == torch.float32 and Dk == D and H % KV == 0
           and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape)
     if slots is not None:
