@@ -850,3 +850,28 @@ def test_bad_inputs_are_refused_or_propagate_like_torch():
         cpu_native.decode_attention(q, kc, vc, 0.125, slots=slots, k_new=torch.randn(1, 1, 64),
                                     v_new=torch.randn(1, 1, 64), write_slots=torch.tensor([20]))
     assert torch.equal(kc, before)
+
+
+def test_tensors_off_the_host_never_reach_the_c_code():
+    """A tensor off the host (here on the meta device; on a GPU machine, CUDA tensors of a
+    tensor-parallel shard's torch path) is refused by every wrapper with ValueError, and the layers'
+    native branches are not taken for it (RoPE and RMSNorm fall back to torch)."""
+    w = cpu_native.pack_weight([qtensor(QType.Q4_1, 64, 256, np.random.default_rng(3))])
+    m = torch.empty(1, 256, device="meta")
+    with pytest.raises(ValueError, match="host tensors"):
+        cpu_native.gemv(m, w)
+    with pytest.raises(ValueError, match="host tensors"):
+        cpu_native.rms_norm_add(m, torch.ones(256), 1e-6, None)
+    with pytest.raises(ValueError, match="host tensors"):
+        cpu_native.rope_(torch.empty(1, 2, 64, device="meta"), torch.empty(1, 64), torch.empty(1, 64))
+    with pytest.raises(ValueError, match="host tensors"):
+        cpu_native.topk_indices(torch.empty(2, 100, device="meta"), 4)
+    norm = RMSNorm(torch.ones(256, device="meta"), 1e-6)
+    h, s = norm.add(m, None)
+    assert h.device.type == "meta" and s.device.type == "meta"
+    attn = attention_layer.Attention.__new__(attention_layer.Attention)
+    torch.nn.Module.__init__(attn)
+    attn.q_norm = attn.k_norm = None
+    q, k = attn.norm_rope(torch.empty(1, 2, 64, device="meta"), torch.empty(1, 1, 64, device="meta"),
+                          torch.empty(1, 64, device="meta"), torch.empty(1, 64, device="meta"))
+    assert q.device.type == "meta" and k.shape == (1, 1, 64)

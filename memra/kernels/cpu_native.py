@@ -335,7 +335,7 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
     Raises: RuntimeError if the kernels are not available or its scratch allocation failed;
         ValueError for a shape or dtype it does not take.
     """
-    lib = _need()
+    lib = _need(x, bias, w.codes)
     if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in _FLOATS:
         raise ValueError(f"native gemv: x must be [T, {w.k}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
     out_dtype = out_dtype or x.dtype
@@ -375,10 +375,15 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
     return y
 
 
-def _need() -> ctypes.CDLL:
+def _need(*tensors: torch.Tensor | None) -> ctypes.CDLL:
+    """The library; raises RuntimeError if it is not available, ValueError for a tensor not in host
+    memory (the C code would dereference a device pointer)."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("memra's native CPU kernels are not available (see the warning at first use)")
+    for t in tensors:
+        if t is not None and not t.is_cpu:
+            raise ValueError(f"memra's native CPU kernels take host tensors, got one on {t.device}")
     return lib
 
 
@@ -393,7 +398,7 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     Args: x [T, D] fp32 or bf16; weight fp32 [D]; residual fp32 [T, D] or None (not modified).
     The mean of squares is summed in float64 (torch's F.rms_norm sums in fp32: the last bits differ).
     Raises: ValueError for other shapes or dtypes."""
-    lib = _need()
+    lib = _need(x, weight, residual)
     if (x.dim() == 2 and x.dtype in _FLOATS and x.is_contiguous() and weight.dtype == torch.float32
             and weight.shape == (x.shape[1],) and weight.is_contiguous()
             and (residual is None or (residual.dtype == torch.float32 and residual.shape == x.shape
@@ -425,7 +430,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     (fp32 or bf16; rows may be strided, heads contiguous), cos / sin [T, rot] (fp32 or bf16, the
     same dtype). Computed in fp32 and rounded once (rope_torch rounds each product in x's dtype).
     Returns x. Raises: ValueError for other layouts or dtypes."""
-    lib = _need()
+    lib = _need(x, cos, sin)
     T, n, hd = x.shape
     rot = cos.shape[-1]
     if (x.dtype not in _FLOATS or x.stride(2) != 1 or x.stride(1) != hd or cos.shape != (T, rot)
@@ -462,7 +467,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [0, L] or a slot outside the cache (checked before anything is written); RuntimeError if its
     scratch could not be allocated.
     """
-    lib = _need()
+    lib = _need(q, k_cache, v_cache, slots, lens, k_new, v_new, write_slots)
     B, H, D = q.shape
     S, KV, Dk = k_cache.shape
     if (slots is None and k_new is not None and write_pos is not None and B == 1 and q.is_contiguous()
@@ -528,7 +533,7 @@ def topk_indices(y: torch.Tensor, k: int) -> torch.Tensor:
     largest first, ties to the lower index; NaN is never chosen (a row with fewer than k non-NaN
     values repeats index 0). One native pass per row: torch.topk costs ~0.3 ms on a 49k-row head.
     Raises: ValueError unless 1 <= k <= min(64, V) and y is fp32 2-D."""
-    lib = _need()
+    lib = _need(y)
     if y.dim() != 2 or y.dtype != torch.float32 or not 1 <= k <= min(64, y.shape[1]):
         raise ValueError(f"native topk_indices: y fp32 [R, V] and 1 <= k <= min(64, V); got {y.dtype} "
                          f"{tuple(y.shape)}, k={k}")

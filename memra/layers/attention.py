@@ -174,8 +174,8 @@ class Attention(KernelLayer):
         if self.kernels:
             return qk_norm_rope(q, k, None if qn is None else qn.weight, None if kn is None else kn.weight,
                                 1e-6 if qn is None else qn.eps, cos, sin)
-        if qn is None and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float32) \
-                and cpu_native.enabled():
+        if qn is None and q.is_cpu and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float32) \
+                and cpu_native.enabled():  # (torch on a GPU, e.g. tensor-parallel shards, takes rope_torch)
             H, D = q.shape[1], q.shape[2]
             if k.data_ptr() == q.data_ptr() + H * D * q.element_size() and k.stride() == q.stride():
                 # k's heads follow q's in the qkv row: both in one call

@@ -229,7 +229,7 @@ class Linear(KernelLayer):
 
     def native_rows(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [..., in_features] goes through the native kernel (few enough rows)."""
-        return self.kernel == "native" and x.numel() <= NATIVE_MAX_ROWS * self.in_features
+        return self.kernel == "native" and x.is_cpu and x.numel() <= NATIVE_MAX_ROWS * self.in_features
 
     def swiglu(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """silu(gate) * up of this gate+up projection (rows [gate | up]) in one native call, SwiGLU
@@ -244,7 +244,7 @@ class Linear(KernelLayer):
                                limit=limit).reshape(*x.shape[:-1], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "native" and self._built and x.dim() == 2 and 0 < x.shape[0] <= NATIVE_MAX_ROWS \
+        if self.kernel == "native" and self._built and x.is_cpu and x.dim() == 2 and 0 < x.shape[0] <= NATIVE_MAX_ROWS \
                 and x.shape[1] == self.in_features and x.dtype == self.dtype and x.is_contiguous():
             return cpu_native.gemv_fast(x, self.native, self._bias32, self.dtype)  # the decode loop's path
         if self.kernel == "gpu":
@@ -286,7 +286,8 @@ def head_logits(head: Linear, hidden: torch.Tensor, top_k: int = RESCORE_TOP_K) 
     flat = y.view(-1, head.out_features)
     h = hidden.reshape(-1, head.in_features).float()
     k = min(top_k, head.out_features)
-    top = cpu_native.topk_indices(flat, k) if cpu_native.enabled() else flat.topk(k, dim=-1).indices  # [R, k]
+    top = (cpu_native.topk_indices(flat, k) if flat.is_cpu and k <= 64 and cpu_native.enabled()
+           else flat.topk(k, dim=-1).indices)  # [R, k]
     rows = QTensor(q.name, q.qtype, (top.numel(), head.in_features), q.data[top.reshape(-1)]).dequantize()
     exact = torch.bmm(rows.view(*top.shape, -1), h[:, :, None])[..., 0]  # [R, k]
     if head.bias is not None:

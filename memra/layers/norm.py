@@ -54,8 +54,8 @@ class RMSNorm(KernelLayer):
         if x.device.type != "cpu":  # e.g. tensor-parallel GPU shards (torch, not the fused kernel)
             s = x if residual is None else x + residual
             return rms_norm_torch(s, self.weight, self.eps), s
-        if x.dim() == 2 and x.shape[0] <= NATIVE_NORM_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32) \
-                and cpu_native.enabled():
+        if x.is_cpu and x.dim() == 2 and x.shape[0] <= NATIVE_NORM_MAX_ROWS \
+                and x.dtype in (torch.bfloat16, torch.float32) and cpu_native.enabled():
             return cpu_native.rms_norm_add(x, self.weight, self.eps, residual)  # decode: one call
         s = x.float() if residual is None else residual + x  # residual: fp32
         return rms_norm_torch(s, self.weight, self.eps).to(x.dtype), s
