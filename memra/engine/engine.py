@@ -354,9 +354,18 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
 
     def close(self) -> None:
-        """Stops the worker ranks of a parallel run (idempotent; nothing to do otherwise)."""
+        """Stops the worker ranks of a parallel run; on a GPU also releases the KV cache, the CUDA
+        graphs and the model's memory, so that a closed engine (``with LLM(...)`` left) holds none
+        while the next one sizes its KV cache (idempotent; the engine cannot step afterwards)."""
         if self.parallel is not None:
             self.parallel.close()
+        if torch.device(self.engine_config.device).type == "cuda" and self.runner is not None:
+            self.runner = self.graphs = self.proposer = self.cache = None
+            self.model = None
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _gpu_kv_budget(self, groups, device: torch.device) -> int:
         """Bytes for the KV cache on a GPU: ``gpu_memory_utilization`` of the device's memory
@@ -494,7 +503,11 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestEvent]:
-        """Run one engine step. Returns one event per user request with news this step."""
+        """Run one engine step. Returns one event per user request with news this step.
+
+        Raises: RuntimeError once the engine is closed (GPU: its memory is released)."""
+        if self.runner is None:
+            raise RuntimeError("the engine is closed: its GPU memory was released (close() / the with block)")
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
