@@ -1,17 +1,26 @@
 """memra's native CPU decode kernels (memra/kernels/cpu/decode.c) and their torch twins.
 
-The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into
-``~/.cache/memra/cpu-kernels/<hash>/`` (``MEMRA_CACHE`` moves it): ``-O3 -fopenmp``, plus
-``-mavx2 -mfma -mf16c`` where the CPU has them (a portable C loop otherwise). OpenMP resolves to
-the ``libgomp`` torch has already loaded, so the kernels and torch share one thread pool. It is
-called through ctypes. Without a compiler (or with ``MEMRA_CPU_KERNELS=0``) :func:`available`
-is False and the layers keep their torch paths.
+The C source is compiled on first use with the system C compiler (``$CC``, ``cc``, ``gcc`` or
+``clang``) into ``~/.cache/memra/cpu-kernels/<hash>/`` (``MEMRA_CACHE`` moves it): ``-O3 -fopenmp``,
+plus ``-mavx2 -mfma -mf16c`` and the VNNI flags where /proc/cpuinfo lists them (a portable C loop
+otherwise). OpenMP resolves to the ``libgomp`` torch has already loaded, so the kernels and torch
+share one thread pool. It is called through ctypes. Without a compiler (or with
+``MEMRA_CPU_KERNELS=0``) :func:`available` is False (a warning says why) and the layers keep their
+torch paths; :data:`ENABLED` is the switch tests use.
 
-What it computes (decode.c's header has the formats): a quantized GEMV ``y = x W^T`` over
-weights repacked at load from GGUF's per-32 affine formats (Q4_0, Q4_1, Q4_K -> 4-bit codes;
-Q5_0, Q5_1, Q5_K, Q8_0 -> int8 codes) and Q6_K (int8 codes, a scale per 16), with the
-activations quantized to int8 per 32 values as llama.cpp's ``q8_1`` (the idea, not its code):
-integer dot products, no dequantized weights. :func:`gemv_torch` is the same math in torch.
+What it computes (decode.c's comments have the formats and the math):
+
+- :func:`gemv`: ``y = x W^T`` over weights repacked at load by :func:`pack_weight` from GGUF's
+  per-32 affine formats (Q4_0, Q4_1, Q4_K -> 4-bit codes; Q5_0, Q5_1, Q5_K, Q8_0 -> int8 codes)
+  and Q6_K (int8 codes, a scale per 16). bf16 mode: the activations quantized to int8 per 32
+  values as llama.cpp's ``q8_1`` (the idea, not its code), integer dot products; twin
+  :func:`gemv_torch`. Exact (float32) mode: fp32 block parameters, fp32 activations, the weights
+  the gguf dequantizer's bit for bit. MODE_SWIGLU fuses SwiGLU (with Step-3.5's clamp).
+- :func:`rms_norm_add` (twin: memra/layers/norm.py ``RMSNorm.add``), :func:`rope_` (twin:
+  memra/kernels/norm_rope.py ``rope_torch``), :func:`decode_attention` (twin:
+  memra/layers/attention.py ``decode_attention``; writes the step's K/V too), :func:`topk_indices`.
+
+Every wrapper takes host tensors only (ValueError otherwise).
 """
 
 from __future__ import annotations
