@@ -49,6 +49,7 @@ __all__ = ["NativeWeight", "available", "decode_attention", "enabled", "gemv", "
 SOURCE = Path(__file__).parent / "cpu" / "decode.c"
 FMT_U4, FMT_S8 = 0, 1
 MODE_STORE, MODE_SWIGLU = 0, 1
+_NAN = float("nan")  # the kernels' "no SwiGLU clamp"
 #: Formats :func:`pack_weight` takes (others stay on the torch path).
 PACKABLE = frozenset(AFFINE32_BITS) | {QType.Q6_K}
 #: The one switch of the native paths (tests set it False to pin the torch paths); they run only
@@ -358,29 +359,30 @@ def gemv(x: torch.Tensor, w: NativeWeight, bias: torch.Tensor | None = None, out
         raise ValueError(f"native gemv: unknown mode {mode}")
     if limit is not None and not limit >= 0:
         raise ValueError(f"native gemv: the SwiGLU clamp must be >= 0, got {limit}")
-    lim = float("nan") if limit is None else float(limit)
+    lim = _NAN if limit is None else float(limit)
     x = x.contiguous()
-    T = x.shape[0]
     if bias is not None:
         bias = bias.float().contiguous()
-    if w.exact:  # the float32 mode: fp32 activations, weights decoded exactly
-        if x.dtype != torch.float32 or out_dtype != torch.float32:
-            raise ValueError(f"native gemv: a weight packed exact takes and gives fp32 (x {x.dtype}, out {out_dtype})")
-        y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n)
-        rc = lib.memra_gemv_f32(x.data_ptr(), T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
-                                w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
-                                None if bias is None else bias.data_ptr(), y.data_ptr(), mode, lim,
-                                torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"native gemv: scratch allocation for {T} x {w.k} activations failed")
-        return y
+    if w.exact and (x.dtype != torch.float32 or out_dtype != torch.float32):
+        raise ValueError(f"native gemv: a weight packed exact takes and gives fp32 (x {x.dtype}, out {out_dtype})")
+    return _gemv_call(lib, x, w, bias, out_dtype, mode, lim)
+
+
+def _gemv_call(lib: ctypes.CDLL, x: torch.Tensor, w: NativeWeight, bias32: torch.Tensor | None,
+               out_dtype: torch.dtype, mode: int, lim: float) -> torch.Tensor:
+    """The one call of the GEMV kernels (arguments already checked): exact weights -> memra_gemv_f32."""
+    T = x.shape[0]
     y = torch.empty(T, w.n // 2 if mode == MODE_SWIGLU else w.n, dtype=out_dtype)
-    rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, w.k, w.n, w.codes.data_ptr(), w.fmt, w.wb, w.nbp,
-                        w.scales.data_ptr(), None if w.offsets is None else w.offsets.data_ptr(),
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, mode,
-                        lim, torch.get_num_threads())
+    k, n, codes, fmt, wb, nbp, sc, of = w.cargs
+    b = None if bias32 is None else bias32.data_ptr()
+    if w.exact:  # the float32 mode: fp32 activations, the block parameters in fp32
+        rc = lib.memra_gemv_f32(x.data_ptr(), T, k, n, codes, fmt, wb, nbp, sc, of, b, y.data_ptr(), mode, lim,
+                                torch.get_num_threads())
+    else:
+        rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, k, n, codes, fmt, wb, nbp, sc, of, b,
+                            y.data_ptr(), out_dtype == torch.bfloat16, mode, lim, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"native gemv: scratch allocation of {T * w.k} bytes failed")
+        raise RuntimeError(f"native gemv: scratch allocation for {T} x {k} activations failed")
     return y
 
 
@@ -408,29 +410,22 @@ def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     The mean of squares is summed in float64 (torch's F.rms_norm sums in fp32: the last bits differ).
     Raises: ValueError for other shapes or dtypes."""
     lib = _need(x, weight, residual)
-    if (x.dim() == 2 and x.dtype in _FLOATS and x.is_contiguous() and weight.dtype == torch.float32
+    if not (x.dim() == 2 and x.dtype in _FLOATS and x.is_contiguous() and weight.dtype == torch.float32
             and weight.shape == (x.shape[1],) and weight.is_contiguous()
             and (residual is None or (residual.dtype == torch.float32 and residual.shape == x.shape
-                                      and residual.is_contiguous()))):  # the decode loop's case: no copies
-        out = torch.empty_like(x)
-        s = torch.empty(x.shape, dtype=torch.float32)
-        lib.memra_rmsnorm_add(x.data_ptr(), x.dtype == torch.bfloat16, None if residual is None else residual.data_ptr(),
-                              s.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
-                              x.dtype == torch.bfloat16)
-        return out, s
-    if (x.dim() != 2 or x.dtype not in _FLOATS or weight.shape != (x.shape[1],) or weight.dtype != torch.float32
-            or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))):
-        raise ValueError(f"native rms_norm_add: x [T, D] fp32/bf16, weight fp32 [D], residual fp32 [T, D]; got x "
-                         f"{x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, residual "
-                         f"{None if residual is None else (residual.dtype, tuple(residual.shape))}")
-    x, weight = x.contiguous(), weight.contiguous()
-    T, D = x.shape
+                                      and residual.is_contiguous()))):  # (the decode loop's case: no copies)
+        if (x.dim() != 2 or x.dtype not in _FLOATS or weight.shape != (x.shape[1],) or weight.dtype != torch.float32
+                or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))):
+            raise ValueError(f"native rms_norm_add: x [T, D] fp32/bf16, weight fp32 [D], residual fp32 [T, D]; got "
+                             f"x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, residual "
+                             f"{None if residual is None else (residual.dtype, tuple(residual.shape))}")
+        x, weight = x.contiguous(), weight.contiguous()
+        residual = None if residual is None else residual.contiguous()
     out = torch.empty_like(x)
-    s = torch.empty(T, D, dtype=torch.float32)
-    if residual is not None:
-        residual = residual.contiguous()
+    s = torch.empty(x.shape, dtype=torch.float32)
     lib.memra_rmsnorm_add(x.data_ptr(), x.dtype == torch.bfloat16, None if residual is None else residual.data_ptr(),
-                          s.data_ptr(), weight.data_ptr(), eps, T, D, out.data_ptr(), x.dtype == torch.bfloat16)
+                          s.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
+                          x.dtype == torch.bfloat16)
     return out, s
 
 
@@ -479,21 +474,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lib = _need(q, k_cache, v_cache, slots, lens, k_new, v_new, write_slots)
     B, H, D = q.shape
     S, KV, Dk = k_cache.shape
-    if (slots is None and k_new is not None and write_pos is not None and B == 1 and q.is_contiguous()
-            and k_new.is_contiguous() and v_new.is_contiguous() and q.dtype == k_new.dtype == v_new.dtype
-            and q.dtype in _FLOATS and k_new.shape == v_new.shape == (1, KV, D) and Dk == D and H % KV == 0
-            and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and v_cache.shape == k_cache.shape and length is not None
-            and 0 <= start and start + length <= S and 0 <= write_pos < S):
-        # the contiguous cache's decode step (memra/engine/kv_cache.py): checked here, no copies
-        out = torch.empty_like(q)
-        bf = q.dtype == torch.bfloat16
-        rc = lib.memra_decode_attention(q.data_ptr(), bf, 1, H, KV, D, k_cache.data_ptr(), v_cache.data_ptr(), S,
-                                        None, start, length, None, scale, out.data_ptr(), bf, k_new.data_ptr(),
-                                        v_new.data_ptr(), bf, None, write_pos, torch.get_num_threads())
-        if rc == 0:
-            return out
-        raise RuntimeError(f"native decode_attention: error {rc}")
+    fast = (slots is None and k_new is not None and write_pos is not None and B == 1 and length is not None
+            and q.is_contiguous() and k_new.is_contiguous() and v_new.is_contiguous()
+            and q.dtype == k_new.dtype == v_new.dtype and q.dtype in _FLOATS and k_new.shape == v_new.shape == (1, KV, D)
+            and Dk == D and H % KV == 0 and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and 0 <= start and start + length <= S and 0 <= write_pos < S)
+    if fast:  # the contiguous cache's decode step (memra/engine/kv_cache.py): all checked, nothing to copy
+        return _attend_call(lib, q, k_cache, v_cache, scale, None, start, length, None, k_new, v_new, None, write_pos)
     ok = (q.dtype in _FLOATS and k_cache.dtype == v_cache.dtype == torch.float32 and Dk == D and H % KV == 0
           and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape)
     if slots is not None:
@@ -513,13 +501,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, slots "
                          f"{None if slots is None else (slots.dtype, tuple(slots.shape))}, start {start}, L {L}")
     # contiguous copies held in locals: they must outlive the call
-    q = q.contiguous()
-    out = torch.empty_like(q)
     slots = None if slots is None else slots.contiguous()
     lens = None if lens is None else lens.contiguous()
     k_new = None if k_new is None else k_new.contiguous()
     v_new = None if v_new is None else v_new.contiguous()
     write_slots = None if write_slots is None else write_slots.contiguous()
+    return _attend_call(lib, q.contiguous(), k_cache, v_cache, scale, slots, start, L, lens, k_new, v_new,
+                        write_slots, write_pos)
+
+
+def _attend_call(lib, q, k_cache, v_cache, scale, slots, start, L, lens, k_new, v_new, write_slots, write_pos):
+    """The one call of memra_decode_attention (arguments checked, contiguous)."""
+    B, H, D = q.shape
+    S, KV = k_cache.shape[:2]
+    out = torch.empty_like(q)
     rc = lib.memra_decode_attention(q.data_ptr(), q.dtype == torch.bfloat16, B, H, KV, D, k_cache.data_ptr(),
                                     v_cache.data_ptr(), S, None if slots is None else slots.data_ptr(), start, L,
                                     None if lens is None else lens.data_ptr(), scale, out.data_ptr(),
@@ -552,25 +547,10 @@ def topk_indices(y: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-_NAN = float("nan")
-
 
 def gemv_fast(x: torch.Tensor, w: NativeWeight, bias32: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`gemv` (MODE_STORE) without its argument checks, for the decode loop's layers, whose
     shapes were checked when they were built: x [T, k] contiguous (fp32 for an exact weight, else
     fp32 or bf16), T >= 1; bias32 fp32 [n] contiguous or None; out_dtype fp32 (exact) or fp32 /
     bf16. Saves ~3 µs a call (decode on these CPUs calls it ~120 times a token)."""
-    lib = _lib()
-    T = x.shape[0]
-    y = torch.empty(T, w.n, dtype=out_dtype)
-    k, n, codes, fmt, wb, nbp, sc, of = w.cargs
-    b = None if bias32 is None else bias32.data_ptr()
-    if w.exact:
-        rc = lib.memra_gemv_f32(x.data_ptr(), T, k, n, codes, fmt, wb, nbp, sc, of, b, y.data_ptr(), 0, _NAN,
-                                torch.get_num_threads())
-    else:
-        rc = lib.memra_gemv(x.data_ptr(), x.dtype == torch.bfloat16, T, k, n, codes, fmt, wb, nbp, sc, of, b,
-                            y.data_ptr(), out_dtype == torch.bfloat16, 0, _NAN, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"native gemv: scratch allocation for {T} x {k} activations failed")
-    return y
+    return _gemv_call(_lib(), x, w, bias32, out_dtype, MODE_STORE, _NAN)

@@ -248,24 +248,54 @@ static inline __attribute__((always_inline)) void row_dot(const weight_t *w, lon
 #endif
 }
 
-/* Prefetch row r's codes, scales and offsets (decode reads each weight once: the rows stream from
- * the last-level cache or DRAM, and the hardware prefetcher alone leaves the loads waiting). */
-static inline void prefetch_row(const weight_t *w, long r) {
+/* Prefetch row r of a weight: its codes (cb bytes a row), scales (sb) and offsets (ob; NULL: none).
+ * Decode reads each weight once: the rows stream from the last-level cache or DRAM, and the
+ * hardware prefetcher alone leaves the loads waiting. Into L2 (locality 1): measured best. */
+static inline void prefetch_weight_row(const void *codes, long cb, const void *scales, long sb, const void *offsets,
+                                       long ob, long r) {
 #if defined(__GNUC__)
-    const long cb = w->fmt == FMT_U4 ? w->K / 2 : w->K, sb = (long)w->nbp * (32 / w->wb) * 2;
-    const char *c = (const char *)(w->codes + r * cb);
+    const char *c = (const char *)codes + r * cb, *sc = (const char *)scales + r * sb;
     for (long i = 0; i < cb; i += 64) __builtin_prefetch(c + i, 0, 1);
-    const char *sc = (const char *)(w->scales) + r * sb;
     for (long i = 0; i < sb; i += 64) __builtin_prefetch(sc + i, 0, 1);
-    if (w->offsets) {
-        const char *of = (const char *)(w->offsets) + r * (long)w->nbp * 2;
-        for (long i = 0; i < (long)w->nbp * 2; i += 64) __builtin_prefetch(of + i, 0, 1);
-    }
+    if (offsets)
+        for (long i = 0; i < ob; i += 64) __builtin_prefetch((const char *)offsets + r * ob + i, 0, 1);
 #endif
+}
+static inline void prefetch_row(const weight_t *w, long r) { /* fp16 block parameters */
+    prefetch_weight_row(w->codes, w->fmt == FMT_U4 ? w->K / 2 : w->K, w->scales, (long)w->nbp * (32 / w->wb) * 2,
+                        w->offsets, (long)w->nbp * 2, r);
 }
 #define PREFETCH_ROWS 12
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* min(silu(g), limit) * clamp(u, -limit, limit), limit NaN: silu(g) * u (memra/kernels/fused.py
+ * swiglu_torch; Step-3.5's clamp). */
+static inline float swiglu(float g, float u, float limit) {
+    float sg = silu(g);
+    if (limit == limit) {
+        sg = sg < limit ? sg : limit;
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+    }
+    return sg * u;
+}
+
+/* The team for `rows` output rows (at least 64 rows a thread), and thread id's contiguous rows. */
+static inline int team_size(long rows, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    if (rows < 64L * nthreads) nthreads = rows / 64 > 0 ? (int)(rows / 64) : 1;
+    return nthreads;
+}
+static inline void thread_rows(long rows, long *r0, long *r1) {
+    int nt = 1, id = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    id = omp_get_thread_num();
+#endif
+    long per = (rows + nt - 1) / nt;
+    *r0 = id * per;
+    *r1 = *r0 + per < rows ? *r0 + per : rows;
+}
 
 static inline void store(void *y, int y_bf16, long i, float v) {
     if (y_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
@@ -291,13 +321,8 @@ static inline __attribute__((always_inline)) void rows_block(const weight_t *w, 
             row_dot(w, i, TT, qt, dt, dst, a);
             row_dot(w, i + I, TT, qt, dt, dst, b);
             for (int t = 0; t < TT; t++) {
-                float g = a[t] + (bias ? bias[i] : 0.0f), u = b[t] + (bias ? bias[i + I] : 0.0f);
-                float sg = silu(g);
-                if (limit == limit) { /* NaN: no clamp */
-                    sg = sg < limit ? sg : limit;
-                    u = u < -limit ? -limit : (u > limit ? limit : u);
-                }
-                store(y, y_bf16, (long)(t0 + t) * I + i, sg * u);
+                store(y, y_bf16, (long)(t0 + t) * I + i,
+                      swiglu(a[t] + (bias ? bias[i] : 0.0f), b[t] + (bias ? bias[i + I] : 0.0f), limit));
             }
         }
         return;
@@ -339,20 +364,14 @@ int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *c
     float *d = tl_d, *ds = tl_d + (long)T * nbp;
     weight_t w = {codes, scales, offsets, fmt, wb, K, nbp};
     long rows = mode == MODE_SWIGLU ? N / 2 : N;
-    if (nthreads < 1) nthreads = 1;
-    if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
+    nthreads = team_size(rows, nthreads);
     /* the activations are quantized by the calling thread (a few µs at decode): the parallel region
      * then has no barrier but its end (a barrier costs a time slice when the CPUs are oversubscribed) */
     memra_quantize_q8(x, x_bf16, T, K, nbp, q, d, ds);
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        long per = (rows + nt - 1) / nt;
-        long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
+        long r0, r1;
+        thread_rows(rows, &r0, &r1);
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
             switch (T - t0 < 4 ? T - t0 : 4) {
             case 1: rows_block(&w, 1, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
@@ -654,18 +673,9 @@ static inline __attribute__((always_inline)) void row_dot_f32(const weight_f32_t
 #endif
 }
 
-static inline void prefetch_row_f32(const weight_f32_t *w, long r) {
-#if defined(__GNUC__)
-    const long cb = w->fmt == FMT_U4 ? w->K / 2 : w->K, sb = (long)w->nbp * (32 / w->wb) * 4;
-    const char *c = (const char *)(w->codes + r * cb);
-    for (long i = 0; i < cb; i += 64) __builtin_prefetch(c + i, 0, 1);
-    const char *s = (const char *)(w->scales) + r * sb;
-    for (long i = 0; i < sb; i += 64) __builtin_prefetch(s + i, 0, 1);
-    if (w->offsets) {
-        const char *o = (const char *)(w->offsets) + r * (long)w->nbp * 4;
-        for (long i = 0; i < (long)w->nbp * 4; i += 64) __builtin_prefetch(o + i, 0, 1);
-    }
-#endif
+static inline void prefetch_row_f32(const weight_f32_t *w, long r) { /* fp32 block parameters */
+    prefetch_weight_row(w->codes, w->fmt == FMT_U4 ? w->K / 2 : w->K, w->scales, (long)w->nbp * (32 / w->wb) * 4,
+                        w->offsets, (long)w->nbp * 4, r);
 }
 
 static inline __attribute__((always_inline)) void rows_block_f32(const weight_f32_t *w, int TT, long r0, long r1,
@@ -688,13 +698,8 @@ static inline __attribute__((always_inline)) void rows_block_f32(const weight_f3
         if (mode == MODE_SWIGLU) {
             row_dot_f32(w, r + I, TT, xt, xs, b);
             for (int t = 0; t < TT; t++) {
-                float g = a[t] + (bias ? bias[r] : 0.0f), u = b[t] + (bias ? bias[r + I] : 0.0f);
-                float sg = silu(g);
-                if (limit == limit) { /* NaN: no clamp */
-                    sg = sg < limit ? sg : limit;
-                    u = u < -limit ? -limit : (u > limit ? limit : u);
-                }
-                y[(long)(t0 + t) * I + r] = sg * u;
+                y[(long)(t0 + t) * I + r] = swiglu(a[t] + (bias ? bias[r] : 0.0f), b[t] + (bias ? bias[r + I] : 0.0f),
+                                                   limit);
             }
         } else {
             for (int t = 0; t < TT; t++) y[(long)(t0 + t) * N + r] = a[t] + (bias ? bias[r] : 0.0f);
@@ -715,17 +720,11 @@ int memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, i
         for (int i = 0; i < 32; i++) s += x[tb * 32 + i];
         xs[tb] = s;
     }
-    if (nthreads < 1) nthreads = 1;
-    if (rows < 64 * nthreads) nthreads = (int)(rows / 64) > 0 ? (int)(rows / 64) : 1;
+    nthreads = team_size(rows, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        long per = (rows + nt - 1) / nt;
-        long r0 = id * per, r1 = r0 + per < rows ? r0 + per : rows;
+        long r0, r1;
+        thread_rows(rows, &r0, &r1);
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
             switch (T - t0 < 4 ? T - t0 : 4) {
             case 1: rows_block_f32(&w, 1, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
