@@ -166,6 +166,7 @@ class NativeWeight:
 
     @property
     def nbp(self) -> int:
+        """Blocks of 32 per row rounded up to a multiple of 8 (the parameter rows' padded length)."""
         return -(-self.k // 256) * 8
 
     @functools.cached_property
@@ -181,6 +182,7 @@ class NativeWeight:
 
     @property
     def nbytes(self) -> int:
+        """Bytes a product reads: codes + scales + offsets (the padding of the parameter rows included)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
 
     def dequantize(self) -> torch.Tensor:
