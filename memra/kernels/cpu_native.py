@@ -114,7 +114,8 @@ def _lib() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"memra: native CPU decode kernels unavailable ({e}); using the torch paths", stacklevel=2)
+        warnings.warn(f"memra: the native CPU decode kernels could not be built or loaded ({e}); the CPU layers "
+                      f"take their torch paths (slower decode; MEMRA_CPU_KERNELS=0 silences this)", stacklevel=1)
         return None
     p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.memra_gemv.argtypes = [p, i, i, i, L, p, i, i, i, p, p, p, p, i, i, f, i]

@@ -238,7 +238,7 @@ class CausalLM(nn.Module):
         from ..layers.moe import RoutedExperts
 
         parts = [m for m in self.modules() if isinstance(m, (Linear, RoutedExperts))]
-        for m in tqdm(parts, desc="building CPU kernels", unit="layer", disable=not progress):
+        for m in tqdm(parts, desc="packing CPU weights", unit="layer", disable=not progress):
             m.build()
         return self
 
