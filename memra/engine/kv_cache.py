@@ -58,6 +58,7 @@ class ContiguousKVCache:
         self.v = [torch.empty_like(k) for k in self.k]
         self.positions = torch.arange(max_len, device=device)
         self.length = 0
+        self._pointers: cpu_native.KVPointers | None = None  # native_decode's, built once
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float) -> torch.Tensor:
@@ -81,6 +82,23 @@ class ContiguousKVCache:
             return decode_attention(q, self.k[layer][None, lo:end], self.v[layer][None, lo:end], None, scale)
         return attention(q, self.k[layer][lo:end], self.v[layer][lo:end], self.positions[start:end],
                          self.positions[lo:end], window, scale)
+
+    def native_decode(self, t: int) -> cpu_native.NativeKV | None:
+        """The addressing of a one-token step of full-attention layers for the fused native decode
+        step (memra/kernels/cpu_native.py ``DecoderLayers``), the next token written after the
+        committed ones; None where that path does not apply (t != 1, storage not fp32 on the host).
+
+        Raises:
+            ContextOverflowError: the step would exceed ``max_len``.
+        """
+        if t != 1 or self.k[0].dtype != torch.float32 or not self.k[0].is_cpu:
+            return None
+        if self.length + 1 > self.max_len:
+            raise ContextOverflowError(f"sequence of {self.length + 1} tokens exceeds the KV cache capacity of "
+                                       f"{self.max_len}")
+        if self._pointers is None:
+            self._pointers = cpu_native.KVPointers(self.k, self.v)
+        return cpu_native.NativeKV(self._pointers, L=self.length + 1, write_pos=self.length)
 
     def advance(self, t: int) -> None:
         """Commit the ``t`` tokens written by the last model step."""
@@ -115,6 +133,15 @@ class PagedKVCache:
                 # only touched, and resident, once used)
                 self.k[layer] = torch.empty(n, block_size, g.num_kv_heads, g.head_dim, dtype=dtype, device=device)
                 self.v[layer] = torch.empty_like(self.k[layer])
+
+    def native_pointers(self) -> cpu_native.KVPointers:
+        """Every layer's K and V as fp32 [slots, KV, D] for the fused native decode step (built once).
+
+        Raises: ValueError if the storage is not fp32 on the host."""
+        if getattr(self, "_pointers", None) is None:
+            flat = lambda ts: [None if t is None else t.view(-1, *t.shape[2:]) for t in ts]  # noqa: E731
+            self._pointers = cpu_native.KVPointers(flat(self.k), flat(self.v))
+        return self._pointers
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +246,20 @@ class PagedBatch:
                                        torch.arange(lo, c.start + c.num_new), g.window)
                 prefill.append((offsets[i], c.num_new, keys[i].to(dev), mask.to(dev)))
             self.per_group.append((slots.to(dev), decode, prefill))
+
+    def native_decode(self, t: int) -> cpu_native.NativeKV | None:
+        """The addressing of this step for the fused native decode step (memra/kernels/cpu_native.py
+        ``DecoderLayers``) when every one of its ``t`` rows is a sequence's decode token, the cache is
+        fp32 on the host and has one group (one block table per sequence for every layer); else None."""
+        cache = self.cache
+        if (self.use_kernels or len(cache.groups) != 1 or cache.dtype != torch.float32 or len(self.chunks) != t
+                or self.num_tokens != t):
+            return None
+        slots, decode, prefill = self.per_group[0]
+        if prefill or decode is None or slots.device.type != "cpu":
+            return None
+        _, idx, _, lens = decode
+        return cpu_native.NativeKV(cache.native_pointers(), L=idx.shape[1], idx=idx, lens=lens, write_slots=slots)
 
     @property
     def fuses_gate(self) -> bool:

@@ -16,6 +16,8 @@ What it computes (decode.c's comments have the formats and the math):
   values as llama.cpp's ``q8_1`` (the idea, not its code), integer dot products; twin
   :func:`gemv_torch`. Exact (float32) mode: fp32 block parameters, fp32 activations, the weights
   the gguf dequantizer's bit for bit. MODE_SWIGLU fuses SwiGLU (with Step-3.5's clamp).
+- :class:`DecoderLayers`: a Llama-family decode step over every decoder layer in one call, the
+  functions below in the layer-by-layer path's order (bit-identical to it).
 - :func:`rms_norm_add` (twin: memra/layers/norm.py ``RMSNorm.add``), :func:`rope_` (twin:
   memra/kernels/norm_rope.py ``rope_torch``), :func:`decode_attention` (twin:
   memra/layers/attention.py ``decode_attention``; writes the step's K/V too), :func:`topk_indices`.
@@ -43,7 +45,7 @@ from ..quant.dequant import AFFINE32_BITS, affine32, q6_k_parts
 from ..quant.tensor import QTensor
 from ..quant.types import QType
 
-__all__ = ["NativeWeight", "available", "decode_attention", "enabled", "gemv", "gemv_torch", "pack_weight", "packable",
+__all__ = ["DecoderLayer", "DecoderLayers", "KVPointers", "NativeKV", "NativeWeight", "available", "decode_attention", "enabled", "gemv", "gemv_torch", "pack_weight", "packable",
            "gemv_fast", "quantize_q8_torch", "rms_norm_add", "rope_", "topk_indices", "PACKABLE"]
 
 SOURCE = Path(__file__).parent / "cpu" / "decode.c"
@@ -132,6 +134,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.memra_gemv_f32.restype = i
     lib.memra_topk.argtypes = [p, i, L, i, p, i]
     lib.memra_topk.restype = None
+    lib.memra_decoder_layers.argtypes = [p, i, i, i, i, p, p, i, p, p, i, p, p, L, p, L, i, p, p, L, i]
+    lib.memra_decoder_layers.restype = i
     lib.memra_has_avx2.restype = i
     lib.memra_has_vnni.restype = i
     return lib
@@ -557,3 +561,209 @@ def gemv_fast(x: torch.Tensor, w: NativeWeight, bias32: torch.Tensor | None, out
     fp32 or bf16), T >= 1; bias32 fp32 [n] contiguous or None; out_dtype fp32 (exact) or fp32 /
     bf16. Saves ~3 µs a call (decode on these CPUs calls it ~120 times a token)."""
     return _gemv_call(_lib(), x, w, bias32, out_dtype, MODE_STORE, _NAN)
+
+
+# ------------------------------------------------------------------ the fused decode step
+class _CLinear(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("N", ctypes.c_long), ("K", ctypes.c_int), ("fmt", ctypes.c_int),
+                ("wb", ctypes.c_int), ("nbp", ctypes.c_int), ("exact", ctypes.c_int)]
+
+
+class _CLayer(ctypes.Structure):  # decode.c decoder_layer_t
+    _fields_ = [("qkv", _CLinear), ("o", _CLinear), ("gate_up", _CLinear), ("down", _CLinear),
+                ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("attn_eps", ctypes.c_float),
+                ("ffn_eps", ctypes.c_float), ("scale", ctypes.c_float), ("limit", ctypes.c_float),
+                ("H", ctypes.c_int), ("KV", ctypes.c_int), ("D", ctypes.c_int), ("rot", ctypes.c_int),
+                ("cache", ctypes.c_int)]
+
+
+def _clinear(w: NativeWeight, bias32: torch.Tensor | None) -> _CLinear:
+    k, n, codes, fmt, wb, nbp, sc, of = w.cargs
+    return _CLinear(codes, sc, of, None if bias32 is None else bias32.data_ptr(), n, k, fmt, wb, nbp, int(w.exact))
+
+
+@dataclass
+class DecoderLayer:
+    """One Llama-family decoder layer as :class:`DecoderLayers` takes it (memra/models/llama.py
+    ``LlamaForCausalLM.Layer``): fp32 norm weights [hidden], packed weights (qkv rows
+    [q (heads x head_dim) | k | v], gate_up rows [gate | up]), the qkv bias fp32 or None, RoPE
+    over the first ``rotary_dim`` dims of each head (NeoX order), softmax ``scale``, SwiGLU clamp
+    ``limit`` (None: none), ``cache_index``: its slot in the KV cache."""
+
+    attn_norm: torch.Tensor
+    attn_eps: float
+    qkv: NativeWeight
+    qkv_bias: torch.Tensor | None
+    o: NativeWeight
+    ffn_norm: torch.Tensor
+    ffn_eps: float
+    gate_up: NativeWeight
+    down: NativeWeight
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    scale: float
+    limit: float | None
+    cache_index: int
+
+
+class KVPointers:
+    """A KV cache's per-slot K and V storage as the fused decode step reads it: built once by the
+    cache that owns the tensors (and used only while it lives).
+
+    Args: k, v: per slot an fp32 [S, KV, D] contiguous host tensor (one S), or None for a slot no
+        layer uses. Raises: ValueError otherwise."""
+
+    def __init__(self, k: list[torch.Tensor | None], v: list[torch.Tensor | None]):
+        if len(k) != len(v) or not any(t is not None for t in k):
+            raise ValueError("KVPointers: k and v need one entry per slot and at least one tensor")
+        S = next(t for t in k if t is not None).shape[0]
+        self.S, self.geometry = S, []
+        for i, (a, b) in enumerate(zip(k, v)):
+            if a is None or b is None:
+                self.geometry.append(None)
+                continue
+            if not all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 3
+                       and t.shape == a.shape and t.shape[0] == S for t in (a, b)):
+                raise ValueError(f"KVPointers: slot {i}: K and V must be fp32 [{S}, KV, D] contiguous on the host, "
+                                 f"got {a.dtype} {tuple(a.shape)} / {b.dtype} {tuple(b.shape)} on {a.device}")
+            self.geometry.append(tuple(a.shape[1:]))
+        arr = ctypes.c_void_p * len(k)
+        self.k = arr(*[None if t is None else t.data_ptr() for t in k])
+        self.v = arr(*[None if t is None else t.data_ptr() for t in v])
+
+
+@dataclass
+class NativeKV:
+    """One decode step's attention addressing for :class:`DecoderLayers` (memra_decode_attention's):
+    each of the step's B sequences (one query each) reads slots ``idx[b, :lens[b]]`` (int64 [B, L],
+    lens int64 [B]) or, with ``idx`` None, slots ``lo .. lo + L - 1`` of every layer's cache
+    (``pointers``); its new key and value go to slot ``write_slots[b]`` (int64 [B]) or, for B = 1,
+    ``write_pos``."""
+
+    pointers: KVPointers
+    L: int
+    idx: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
+    lo: int = 0
+    write_pos: int = -1
+
+
+class DecoderLayers:
+    """Every decoder layer of a Llama-family model's decode step in one native call
+    (decode.c ``memra_decoder_layers``): the same kernels, order and roundings as the
+    layer-by-layer native path, so the same bits, without ~8 ctypes calls and the Python between
+    them per layer (smollm2-135m: ~250 calls a token).
+
+    Args:
+        layers: the decoder layers, in order; all with one hidden size, one compute dtype.
+        dtype: torch.bfloat16 (int8 activations) or torch.float32 (every weight packed exact).
+    Raises: ValueError for weights of the other mode, mismatched sizes, or a shape the kernels
+        do not take.
+    """
+
+    def __init__(self, layers: list[DecoderLayer], dtype: torch.dtype):
+        if not layers:
+            raise ValueError("DecoderLayers: no layers")
+        if dtype not in _FLOATS:
+            raise ValueError(f"DecoderLayers: dtype must be fp32 or bf16, got {dtype}")
+        self.layers, self.dtype = layers, dtype
+        self.hidden = layers[0].attn_norm.shape[0]
+        exact = dtype == torch.float32
+        for i, ly in enumerate(layers):
+            H, KV, D, Dm = ly.num_heads, ly.num_kv_heads, ly.head_dim, self.hidden
+            checks = {
+                "norm weights fp32 [hidden]": all(t.dtype == torch.float32 and t.shape == (Dm,) and t.is_contiguous()
+                                                  for t in (ly.attn_norm, ly.ffn_norm)),
+                "qkv [(H + 2 KV) D, hidden]": ly.qkv.n == (H + 2 * KV) * D and ly.qkv.k == Dm,
+                "o [hidden, H D]": ly.o.n == Dm and ly.o.k == H * D,
+                "gate_up [2 I, hidden], down [hidden, I]": ly.gate_up.n % 2 == 0 and ly.gate_up.k == Dm
+                and ly.down.n == Dm and ly.down.k == ly.gate_up.n // 2,
+                f"every weight packed {'exact' if exact else 'fp16'}": all(
+                    w.exact == exact for w in (ly.qkv, ly.o, ly.gate_up, ly.down)),
+                "qkv bias fp32 [(H + 2 KV) D]": ly.qkv_bias is None or (
+                    ly.qkv_bias.dtype == torch.float32 and ly.qkv_bias.shape == (ly.qkv.n,)
+                    and ly.qkv_bias.is_contiguous()),
+                "heads: KV divides H, even rotary_dim <= head_dim": KV > 0 and H % KV == 0
+                and 0 <= ly.rotary_dim <= D and ly.rotary_dim % 2 == 0,
+                "SwiGLU clamp >= 0": ly.limit is None or ly.limit >= 0,
+            }
+            bad = [what for what, ok in checks.items() if not ok]
+            if bad:
+                raise ValueError(f"DecoderLayers: layer {i}: expected {'; '.join(bad)}")
+        self.rotary_dim = layers[0].rotary_dim
+        if any(ly.rotary_dim != self.rotary_dim for ly in layers):
+            raise ValueError("DecoderLayers: the layers' rotary_dim differ (one cos/sin table serves them all)")
+        self._c = (_CLayer * len(layers))(*[
+            _CLayer(_clinear(ly.qkv, ly.qkv_bias), _clinear(ly.o, None), _clinear(ly.gate_up, None),
+                    _clinear(ly.down, None), ly.attn_norm.data_ptr(), ly.ffn_norm.data_ptr(), ly.attn_eps, ly.ffn_eps,
+                    ly.scale, _NAN if ly.limit is None else ly.limit, ly.num_heads, ly.num_kv_heads, ly.head_dim,
+                    ly.rotary_dim, ly.cache_index) for ly in layers])
+        self._checked: KVPointers | None = None  # the last caches whose geometry was checked (held: ids stay unique)
+
+    def _check(self, p: KVPointers) -> None:
+        if p is self._checked:
+            return
+        for i, ly in enumerate(self.layers):
+            ci = ly.cache_index
+            got = p.geometry[ci] if 0 <= ci < len(p.geometry) else None
+            if got != (ly.num_kv_heads, ly.head_dim):
+                raise ValueError(f"DecoderLayers: layer {i} needs cache slot {ci} of [S, {ly.num_kv_heads}, "
+                                 f"{ly.head_dim}], the cache has {got}")
+        self._checked = p
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: NativeKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers on the residual stream (memra/models/base.py ``CausalLM``'s form).
+
+        Args:
+            x: [T, hidden] in ``dtype``, T the step's sequences (one token each): the embeddings
+                (``residual`` None) or the pending sublayer output.
+            residual: fp32 [T, hidden] or None (not modified).
+            cos, sin: [T, rotary_dim] of one dtype (fp32 or bf16).
+            kv: the step's addressing (:class:`NativeKV`).
+        Returns (x', residual'): the last layer's MLP output [T, hidden] in ``dtype`` and the
+        stream before it, fp32 [T, hidden]. Raises: ValueError for shapes, dtypes or caches it does
+        not take, or a slot or length out of range (found before any cache is written);
+        RuntimeError if scratch could not be allocated.
+        """
+        lib = _need(x, residual, cos, sin)
+        T, Dm = x.shape
+        rot = self.rotary_dim
+        if not (x.dtype == self.dtype and Dm == self.hidden and T >= 1
+                and (residual is None or (residual.dtype == torch.float32 and residual.shape == x.shape))
+                and cos.shape == sin.shape == (T, rot) and cos.dtype == sin.dtype and cos.dtype in _FLOATS
+                and (kv.idx is None or (kv.idx.dtype == torch.int64 and kv.idx.dim() == 2 and kv.idx.shape[0] == T
+                                        and kv.idx.shape[1] == kv.L and kv.lens is not None
+                                        and kv.lens.dtype == torch.int64 and kv.lens.shape == (T,)))
+                and (kv.write_slots is not None and kv.write_slots.dtype == torch.int64
+                     and kv.write_slots.shape == (T,) or (kv.write_slots is None and T == 1 and kv.write_pos >= 0))):
+            raise ValueError(f"DecoderLayers: x {self.dtype} [T, {self.hidden}] (got {x.dtype} {tuple(x.shape)}), "
+                             f"residual fp32 like x, cos/sin [T, {rot}] of one dtype (got {cos.dtype} "
+                             f"{tuple(cos.shape)}), one write slot and an idx row per sequence")
+        self._check(kv.pointers)
+        S = kv.pointers.S
+        out = x.clone(memory_format=torch.contiguous_format)
+        s = torch.empty(T, Dm, dtype=torch.float32)
+        if residual is not None:
+            s.copy_(residual)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        idx = None if kv.idx is None else kv.idx.contiguous()
+        lens = None if kv.lens is None else kv.lens.contiguous()
+        ws = None if kv.write_slots is None else kv.write_slots.contiguous()
+        rc = lib.memra_decoder_layers(self._c, len(self.layers), T, Dm, self.dtype == torch.bfloat16, out.data_ptr(),
+                                      s.data_ptr(), residual is not None, cos.data_ptr(), sin.data_ptr(),
+                                      cos.dtype == torch.bfloat16, kv.pointers.k, kv.pointers.v, S,
+                                      None if idx is None else idx.data_ptr(), kv.lo, kv.L,
+                                      None if lens is None else lens.data_ptr(), None if ws is None else ws.data_ptr(),
+                                      kv.write_pos, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"DecoderLayers: a length in lens is outside [0, {kv.L}]")
+        if rc == -3:
+            raise ValueError(f"DecoderLayers: a slot (read or written) is outside the caches' [0, {S})")
+        if rc != 0:
+            raise RuntimeError("DecoderLayers: scratch allocation failed")
+        return out, s

@@ -15,8 +15,9 @@ from torch import nn
 from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
+from ..kernels import cpu_native
 from ..layers.device import check_gpu_device, modules_to_gpu, on_device
-from ..layers.linear import Embedding, Linear, head_logits
+from ..layers.linear import NATIVE_MAX_ROWS, Embedding, Linear, head_logits
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin, rope_key
 from ..quant.fp8 import FP8BlockTensor
@@ -174,6 +175,7 @@ class CausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self._rope_keys = [rope_key(lc) for lc in config.layers]
+        self._native: cpu_native.DecoderLayers | None | bool = False  # native_decoder(): False = not built
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,11 +190,42 @@ class CausalLM(nn.Module):
         to get the former), or with ``both=True`` the pair (final-normed, pre-norm).
         """
         x, residual = self.embed(input_ids), None  # [T, hidden]
-        for layer, (cos, sin) in zip(self.layers, self.rope_tables(positions, x.dtype)):
-            x, residual = layer(x, residual, cos, sin, kv)
+        tables = self.rope_tables(positions, x.dtype)
+        step = self._native_step(x, kv)
+        if step is not None:  # a CPU decode step: every layer in one native call (same bits)
+            x, residual = step[0](x, None, *tables[0], step[1])
+        else:
+            for layer, (cos, sin) in zip(self.layers, tables):
+                x, residual = layer(x, residual, cos, sin, kv)
         y, x = self.norm.add(x, residual)
         x = x.to(y.dtype)  # the CPU's fp32 residual stream (memra/layers/norm.py) back in the compute dtype
         return (y, x) if both else x if prenorm else y
+
+    def native_decoder(self) -> cpu_native.DecoderLayers | None:
+        """Every decoder layer as one fused native CPU decode step (memra/kernels/cpu_native.py
+        ``DecoderLayers``), or None where the model's layers are not of a kind it computes (the
+        default; Llama-family models override :meth:`native_decoder_layers`). Built once."""
+        if getattr(self, "_native", False) is False:
+            layers = self.native_decoder_layers() if len(set(self._rope_keys)) == 1 else None
+            self._native = None if layers is None else cpu_native.DecoderLayers(layers, self.dtype)
+        return self._native
+
+    def native_decoder_layers(self) -> list[cpu_native.DecoderLayer] | None:
+        """The decoder layers as :class:`~memra.kernels.cpu_native.DecoderLayer` s, or None (the default:
+        no fused step)."""
+        return None
+
+    def _native_step(self, x: torch.Tensor, kv) -> tuple | None:
+        """(the fused decoder, its KV addressing) where this step takes the fused native path: a CPU
+        step of at most NATIVE_MAX_ROWS decode rows, kernels enabled, a backend that gives the addressing."""
+        if not (x.is_cpu and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and cpu_native.enabled()):
+            return None
+        address = getattr(kv, "native_decode", None)
+        plan = self.native_decoder() if address is not None else None
+        if plan is None or x.dtype != plan.dtype:
+            return None
+        nkv = address(x.shape[0])
+        return None if nkv is None else (plan, nkv)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per decoder layer, its (cos, sin) tables [T, rotary_dim] at int64 ``positions`` [T];
@@ -257,6 +290,7 @@ class CausalLM(nn.Module):
         Raises: ValueError if ``device`` is not a CUDA device (the CPU is accepted under the
         Triton interpreter, ``TRITON_INTERPRET=1``, so that tests can run this path there).
         """
+        self._native = False  # the fused CPU step's weights are the CPU layers'
         modules_to_gpu(self, check_gpu_device(device), dtype)
         return self
 

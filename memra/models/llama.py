@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import LayerConfig, ModelConfig
+from ..kernels.cpu_native import DecoderLayer
 from ..layers.activations import GatedMLP
 from ..layers.attention import Attention
 from ..layers.linear import Linear
@@ -91,6 +92,28 @@ class LlamaForCausalLM(CausalLM):
             h, residual = self.attn_norm.add(x, residual)                      # x += pending; h = rmsnorm(x)
             h2, residual = self.ffn_norm.add(self.attn(h, cos, sin, kv), residual)  # x += attn(h)
             return self.mlp(h2), residual                                      # pending: mlp(rmsnorm(x))
+
+    def native_decoder_layers(self) -> list[DecoderLayer] | None:
+        """Every layer for the fused native CPU decode step, or None unless each is this class's
+        Layer on native CPU linears (no q/k norms, no head gate, full attention, SwiGLU, biases on
+        q/k/v only)."""
+        out = []
+        for layer, lc in zip(self.layers, self.config.layers):
+            if type(layer) is not self.Layer or type(layer.mlp) is not GatedMLP or type(layer.attn) is not Attention:
+                return None
+            a, m = layer.attn, layer.mlp
+            lins = (a.qkv, a.o, m.gate_up, m.down)
+            if (a.q_norm is not None or a.gated or lc.sliding_window is not None or m.act != "silu" or m.part_sizes
+                    or any(type(q) is not Linear or q.kernel != "native" for q in lins)
+                    or any(q.bias is not None for q in lins[1:])):
+                return None
+            for q in lins:
+                q.build()
+            out.append(DecoderLayer(layer.attn_norm.weight, layer.attn_norm.eps, a.qkv.native, a.qkv._bias32,
+                                    a.o.native, layer.ffn_norm.weight, layer.ffn_norm.eps, m.gate_up.native,
+                                    m.down.native, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.rotary_dim,
+                                    a.scale, m.limit, a.index))
+        return out
 
     @classmethod
     def build_layer(cls, w: GGUFWeights, i: int, lc: LayerConfig) -> nn.Module:

@@ -472,19 +472,21 @@ static inline float exp_shift_sum(float *sh, int n, float m) {
 }
 
 /* Decode attention: one query per sequence over its keys, fp32.
- * q [B, H, D] (fp32 or bf16); keys / values are rows of kc / vc (fp32 [slots, KV, D]): sequence b's
+ * q [B, H, D] (fp32 or bf16; sequence b's heads start at b * q_stride elements, memra_decode_attention:
+ * H * D); keys / values are rows of kc / vc (fp32 [slots, KV, D]): sequence b's
  * j-th key is slot idx[b * L + j] (idx NULL: slot lo + j), for j < lens[b] (lens NULL: L).
  * out[b, h] = softmax_j(q[b, h] . k_j * scale) . v_j, GQA: query head h reads KV head h / (H / KV).
  * One task per (b, KV head) with its G = H / KV query heads (each key and value row read once for
  * all of them), a fixed order over j: a result does not depend on B, H or the threads.
- * k_new / v_new [B, KV, D] (fp32 or bf16, NULL: none): this step's keys and values, written to slot
+ * k_new / v_new [B, KV, D] (fp32 or bf16, NULL: none; row b at b * new_stride, memra_decode_attention:
+ * KV * D): this step's keys and values, written to slot
  * wslots[b] (wslots NULL: slot wpos, B = 1) before the attention reads them. Returns 0; -1 if the
  * scratch could not be allocated, -2 for a length outside [0, L], -3 for a slot outside [0, S)
  * (nothing is read or written then). A sequence with no keys gets zeros. */
-int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, float *kc, float *vc, long S,
-                           const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
-                           int out_bf16, const void *k_new, const void *v_new, int new_bf16, const int64_t *wslots,
-                           long wpos, int nthreads) {
+static int attention_rows(const void *q, long q_stride, int q_bf16, int B, int H, int KV, int D, float *kc,
+                          float *vc, long S, const int64_t *idx, long lo, int L, const int64_t *lens, float scale,
+                          void *out, int out_bf16, const void *k_new, const void *v_new, long new_stride,
+                          int new_bf16, const int64_t *wslots, long wpos, int nthreads) {
     const int G = H / KV;
     int err = 0;
     /* every slot read or written must lie in [0, S), every length in [0, L]: checked before any work */
@@ -513,16 +515,16 @@ int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int 
             if (!ok) continue;
             const long b = task / KV, g = task % KV;
             const int n = lens ? (int)lens[b] : L;
-            const long h0 = b * H + g * G; /* the group's first query head (row of q / out) */
+            const long h0 = b * H + g * G; /* the group's first query head (row of out) */
             if (k_new) { /* this step's key and value of (b, g) into their slot first: the query sees them */
                 const long ws = wslots ? wslots[b] : wpos;
                 for (int i = 0; i < D; i++) {
-                    kc[(ws * KV + g) * D + i] = load_x(k_new, new_bf16, (b * KV + g) * D + i);
-                    vc[(ws * KV + g) * D + i] = load_x(v_new, new_bf16, (b * KV + g) * D + i);
+                    kc[(ws * KV + g) * D + i] = load_x(k_new, new_bf16, b * new_stride + g * D + i);
+                    vc[(ws * KV + g) * D + i] = load_x(v_new, new_bf16, b * new_stride + g * D + i);
                 }
             }
             for (int h = 0; h < G; h++)
-                for (int i = 0; i < D; i++) qv[h * D + i] = load_x(q, q_bf16, (h0 + h) * D + i) * scale;
+                for (int i = 0; i < D; i++) qv[h * D + i] = load_x(q, q_bf16, b * q_stride + (g * G + h) * D + i) * scale;
             for (int j = 0; j < n; j++) {
                 const long slot = idx ? idx[b * L + j] : lo + j;
                 const float *k = kc + (slot * KV + g) * D;
@@ -560,6 +562,14 @@ int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int 
         free(acc);
     }
     return err ? -1 : 0;
+}
+
+int memra_decode_attention(const void *q, int q_bf16, int B, int H, int KV, int D, float *kc, float *vc, long S,
+                           const int64_t *idx, long lo, int L, const int64_t *lens, float scale, void *out,
+                           int out_bf16, const void *k_new, const void *v_new, int new_bf16, const int64_t *wslots,
+                           long wpos, int nthreads) {
+    return attention_rows(q, (long)H * D, q_bf16, B, H, KV, D, kc, vc, S, idx, lo, L, lens, scale, out, out_bf16,
+                          k_new, v_new, (long)KV * D, new_bf16, wslots, wpos, nthreads);
 }
 
 /* The k largest values' indices of each row of y (fp32 [R, V]), largest first (ties: the lower
@@ -735,4 +745,86 @@ int memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, i
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* A Llama-family decode step over every decoder layer in one call (memra/models/llama.py
+ * LlamaForCausalLM.Layer; Qwen2's q/k/v biases included): per layer
+ *     h = rmsnorm(s += x);  q|k|v = h Wqkv^T (+ b);  rope(q, k);  K/V written, o = attention(q)
+ *     h = rmsnorm(s += o Wo^T);  x = swiglu(h Wgu^T) Wd^T
+ * by the same functions, in the same order and with the same roundings as the layer-by-layer
+ * path (memra_rmsnorm_add, memra_gemv / memra_gemv_f32, memra_rope, attention_rows): the results
+ * are bit-identical to it, without its ~8 ctypes calls and the Python between them per layer. */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales, *offsets; /* fp16 (fast mode) or fp32 (exact: memra_gemv_f32) */
+    const float *bias;            /* fp32 [N] or NULL */
+    long N;
+    int K, fmt, wb, nbp, exact;
+} linear_t;
+
+typedef struct {
+    linear_t qkv, o, gate_up, down; /* qkv rows [q (H D) | k (KV D) | v (KV D)]; gate_up [gate | up] */
+    const float *attn_norm, *ffn_norm;
+    float attn_eps, ffn_eps, scale, limit; /* limit: SwiGLU clamp, NaN for none */
+    int H, KV, D, rot, cache;              /* cache: the layer's K/V slot in kc / vc */
+} decoder_layer_t;
+
+static int linear_apply(const linear_t *l, const void *x, int bf16, int T, void *y, int mode, float limit,
+                        int nthreads) {
+    if (l->exact)
+        return memra_gemv_f32((const float *)x, T, l->K, l->N, l->codes, l->fmt, l->wb, l->nbp,
+                              (const float *)l->scales, (const float *)l->offsets, l->bias, (float *)y, mode, limit,
+                              nthreads);
+    return memra_gemv(x, bf16, T, l->K, l->N, l->codes, l->fmt, l->wb, l->nbp, (const uint16_t *)l->scales,
+                      (const uint16_t *)l->offsets, l->bias, y, bf16, mode, limit, nthreads);
+}
+
+static __thread unsigned char *tl_work;
+static __thread size_t tl_cap_work;
+
+/* x [T, Dm] (bf16 or fp32, in place): in, the first layer's input (has_residual 0: the embeddings)
+ * or the last sublayer's pending output; out, the last layer's MLP output. s fp32 [T, Dm]: the
+ * residual stream (read when has_residual), x + s after the call being the stream. cos / sin
+ * [T, rot] (cs_bf16). A layer's caches kc[cache] / vc[cache] (fp32 [S, KV, D]) and the attention's
+ * addressing (idx, lo, L, lens, wslots, wpos) are those of memra_decode_attention, one for all
+ * layers. Returns 0; -1 if scratch could not be allocated; -2 / -3 as memra_decode_attention (a
+ * length or slot out of range: checked before layer 0 writes anything). */
+int memra_decoder_layers(const decoder_layer_t *layers, int nl, int T, int Dm, int bf16, void *x, float *s,
+                         int has_residual, const void *cos_t, const void *sin_t, int cs_bf16, float *const *kc,
+                         float *const *vc, long S, const int64_t *idx, long lo, int L, const int64_t *lens,
+                         const int64_t *wslots, long wpos, int nthreads) {
+    const size_t es = bf16 ? 2 : 4;
+    long nqkv = 0, natt = 0, nmid = 0;
+    for (int l = 0; l < nl; l++) {
+        const decoder_layer_t *ly = &layers[l];
+        nqkv = ly->qkv.N > nqkv ? ly->qkv.N : nqkv;
+        natt = (long)ly->H * ly->D > natt ? (long)ly->H * ly->D : natt;
+        nmid = ly->gate_up.N / 2 > nmid ? ly->gate_up.N / 2 : nmid;
+    }
+    const size_t need = es * (size_t)T * (size_t)(Dm + nqkv + natt + nmid) + 256;
+    if (need > tl_cap_work) {
+        free(tl_work);
+        tl_work = (unsigned char *)aligned_alloc(64, (need + 63) / 64 * 64);
+        tl_cap_work = tl_work ? need : 0;
+        if (!tl_work) return -1;
+    }
+    unsigned char *h = tl_work, *qkv = h + es * T * Dm, *att = qkv + es * T * nqkv, *mid = att + es * T * natt;
+    int rc = 0;
+    for (int l = 0; l < nl && rc == 0; l++) {
+        const decoder_layer_t *ly = &layers[l];
+        const int H = ly->H, KV = ly->KV, D = ly->D;
+        const long N = ly->qkv.N;
+        memra_rmsnorm_add(x, bf16, (l == 0 && !has_residual) ? NULL : s, s, ly->attn_norm, ly->attn_eps, T, Dm, h, bf16);
+        if ((rc = linear_apply(&ly->qkv, h, bf16, T, qkv, MODE_STORE, NAN, nthreads))) break;
+        memra_rope(qkv, bf16, T, N, H + KV, D, ly->rot, cos_t, sin_t, cs_bf16);
+        rc = attention_rows(qkv, N, bf16, T, H, KV, D, kc[ly->cache], vc[ly->cache], S, idx, lo, L, lens, ly->scale, att, bf16,
+                            qkv + es * (size_t)H * D, qkv + es * (size_t)(H + KV) * D, N, bf16, wslots, wpos, nthreads);
+        if (rc) break;
+        if ((rc = linear_apply(&ly->o, att, bf16, T, x, MODE_STORE, NAN, nthreads))) break;
+        memra_rmsnorm_add(x, bf16, s, s, ly->ffn_norm, ly->ffn_eps, T, Dm, h, bf16);
+        if ((rc = linear_apply(&ly->gate_up, h, bf16, T, mid, MODE_SWIGLU, ly->limit, nthreads))) break;
+        rc = linear_apply(&ly->down, mid, bf16, T, x, MODE_STORE, NAN, nthreads);
+    }
+    return rc;
 }
