@@ -34,6 +34,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .common import commit
+
 __all__ = ["run_cpu_bench"]
 
 
@@ -342,7 +344,7 @@ def run_cpu_bench(a) -> int:
               f"{r['peak_rss_mib']:>13.0f}")
     result = {"bench": "cpu", "model": a.model, "threads": a.threads, "prompt_tokens": a.prompt_tokens,
               "decode_tokens": a.decode_tokens, "rounds": a.rounds, "cpu": _cpu_name(), "machine": platform.node(),
-              "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "memory_bandwidth": bw, "agreement_text_tokens": len(exact) if exact else None, "rows": rows}
     if a.json_out:
         Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -383,11 +385,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
