@@ -15,8 +15,8 @@ from torch import nn
 from ..config import LayerConfig, ModelConfig
 from ..io.gguf import CheckpointError, GGUFCheckpoint
 from ..io.safetensors import SafetensorsCheckpoint
-from ..kernels import cpu_native
 from ..layers.device import check_gpu_device, modules_to_gpu, on_device
+from ..layers.fused_decode import DecoderLayer, DecoderLayers, native_enabled
 from ..layers.linear import NATIVE_MAX_ROWS, Embedding, Linear, head_logits
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin, rope_key
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self._rope_keys = [rope_key(lc) for lc in config.layers]
-        self._native: cpu_native.DecoderLayers | None | bool = False  # native_decoder(): False = not built
+        self._native: DecoderLayers | None | bool = False  # native_decoder(): False = not built
 
     @property
     def dtype(self) -> torch.dtype:
@@ -201,24 +201,24 @@ class CausalLM(nn.Module):
         x = x.to(y.dtype)  # the CPU's fp32 residual stream (memra/layers/norm.py) back in the compute dtype
         return (y, x) if both else x if prenorm else y
 
-    def native_decoder(self) -> cpu_native.DecoderLayers | None:
-        """Every decoder layer as one fused native CPU decode step (memra/kernels/cpu_native.py
+    def native_decoder(self) -> DecoderLayers | None:
+        """Every decoder layer as one fused native CPU decode step (memra/layers/fused_decode.py
         ``DecoderLayers``), or None where the model's layers are not of a kind it computes (the
         default; Llama-family models override :meth:`native_decoder_layers`). Built once."""
         if getattr(self, "_native", False) is False:
             layers = self.native_decoder_layers() if len(set(self._rope_keys)) == 1 else None
-            self._native = None if layers is None else cpu_native.DecoderLayers(layers, self.dtype)
+            self._native = None if layers is None else DecoderLayers(layers, self.dtype)
         return self._native
 
-    def native_decoder_layers(self) -> list[cpu_native.DecoderLayer] | None:
-        """The decoder layers as :class:`~memra.kernels.cpu_native.DecoderLayer` s, or None (the default:
+    def native_decoder_layers(self) -> list[DecoderLayer] | None:
+        """The decoder layers as :class:`~memra.layers.fused_decode.DecoderLayer` s, or None (the default:
         no fused step)."""
         return None
 
     def _native_step(self, x: torch.Tensor, kv) -> tuple | None:
         """(the fused decoder, its KV addressing) where this step takes the fused native path: a CPU
         step of at most NATIVE_MAX_ROWS decode rows, kernels enabled, a backend that gives the addressing."""
-        if not (x.is_cpu and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and cpu_native.enabled()):
+        if not (x.is_cpu and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and native_enabled()):
             return None
         address = getattr(kv, "native_decode", None)
         plan = self.native_decoder() if address is not None else None

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..config import LayerConfig, ModelConfig
-from ..kernels.cpu_native import DecoderLayer
 from ..layers.activations import GatedMLP
 from ..layers.attention import Attention
+from ..layers.fused_decode import DecoderLayer
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from .base import CausalLM, GGUFWeights, register_model
