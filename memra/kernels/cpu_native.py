@@ -530,13 +530,19 @@ def _attend_call(lib, q, k_cache, v_cache, scale, slots, start, L, lens, k_new, 
                                     k_new is not None and k_new.dtype == torch.bfloat16,
                                     None if write_slots is None else write_slots.data_ptr(),
                                     -1 if write_pos is None else write_pos, torch.get_num_threads())
-    if rc == -2:
-        raise ValueError(f"native decode_attention: a length in lens is outside [0, {L}]")
-    if rc == -3:
-        raise ValueError(f"native decode_attention: a slot (read or written) is outside the cache's [0, {S})")
-    if rc != 0:
-        raise RuntimeError("native decode_attention: scratch allocation failed")
+    _attention_rc(rc, "native decode_attention", L, S)
     return out
+
+
+def _attention_rc(rc: int, who: str, L: int, S: int) -> None:
+    """Raise for memra_decode_attention's (and memra_decoder_layers') error codes: -2 a length
+    outside [0, L], -3 a slot outside [0, S) (ValueError), another non-zero: scratch (RuntimeError)."""
+    if rc == -2:
+        raise ValueError(f"{who}: a length in lens is outside [0, {L}]")
+    if rc == -3:
+        raise ValueError(f"{who}: a slot (read or written) is outside the cache's [0, {S})")
+    if rc != 0:
+        raise RuntimeError(f"{who}: scratch allocation failed")
 
 
 def topk_indices(y: torch.Tensor, k: int) -> torch.Tensor:
@@ -760,10 +766,5 @@ class DecoderLayers:
                                       None if idx is None else idx.data_ptr(), kv.lo, kv.L,
                                       None if lens is None else lens.data_ptr(), None if ws is None else ws.data_ptr(),
                                       kv.write_pos, torch.get_num_threads())
-        if rc == -2:
-            raise ValueError(f"DecoderLayers: a length in lens is outside [0, {kv.L}]")
-        if rc == -3:
-            raise ValueError(f"DecoderLayers: a slot (read or written) is outside the caches' [0, {S})")
-        if rc != 0:
-            raise RuntimeError("DecoderLayers: scratch allocation failed")
+        _attention_rc(rc, "DecoderLayers", kv.L, S)
         return out, s
