@@ -356,6 +356,14 @@ static int scratch(long nq, long nd) {
 /* y = x W^T for x [T, K] (fp32 or bf16), W [N, K] packed (scale rows padded to nbp blocks of 32,
  * nbp a multiple of 8); y [T, N] (MODE_STORE) or [T, N / 2] (MODE_SWIGLU), fp32 or bf16.
  * Returns 0, or -1 if the scratch could not be allocated. */
+/* rows_block for tt = 1 .. 4 tokens, each count a literal (the token loops unrolled) */
+#define ROWS_BLOCK_TT(W, tt)                                                                          \
+    switch (tt) {                                                                                     \
+    case 1: rows_block(W, 1, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;          \
+    case 2: rows_block(W, 2, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;          \
+    case 3: rows_block(W, 3, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;          \
+    default: rows_block(W, 4, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;         \
+    }
 int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
                const uint16_t *scales, const uint16_t *offsets, const float *bias, void *y, int y_bf16, int mode,
                float limit, int nthreads) {
@@ -373,16 +381,29 @@ int memra_gemv(const void *x, int x_bf16, int T, int K, long N, const uint8_t *c
         long r0, r1;
         thread_rows(rows, &r0, &r1);
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
-            switch (T - t0 < 4 ? T - t0 : 4) {
-            case 1: rows_block(&w, 1, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
-            case 2: rows_block(&w, 2, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
-            case 3: rows_block(&w, 3, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
-            default: rows_block(&w, 4, r0, r1, t0, q, d, ds, bias, y, y_bf16, N, mode, limit); break;
+            const int tt = T - t0 < 4 ? T - t0 : 4;
+            /* the format as literals (a copy of w whose fmt / wb the compiler sees): the block loop
+             * then has no format branch (measured 2x on Q4_1 rows against the runtime fields) */
+            if (w.fmt == FMT_U4 && w.wb == 32) {
+                weight_t v = w;
+                v.fmt = FMT_U4, v.wb = 32;
+                ROWS_BLOCK_TT(&v, tt);
+            } else if (w.fmt == FMT_S8 && w.wb == 32) {
+                weight_t v = w;
+                v.fmt = FMT_S8, v.wb = 32;
+                ROWS_BLOCK_TT(&v, tt);
+            } else if (w.fmt == FMT_S8 && w.wb == 16) {
+                weight_t v = w;
+                v.fmt = FMT_S8, v.wb = 16;
+                ROWS_BLOCK_TT(&v, tt);
+            } else {
+                ROWS_BLOCK_TT(&w, tt);
             }
         }
     }
     return 0;
 }
+#undef ROWS_BLOCK_TT
 
 /* ---------------------------------------------------------------------------------------- */
 /* RMSNorm with the residual add: s = x + residual (fp32; residual NULL: s = x), written to s_out
@@ -717,6 +738,13 @@ static inline __attribute__((always_inline)) void rows_block_f32(const weight_f3
     }
 }
 
+#define ROWS_BLOCK_F32_TT(W, tt)                                                                      \
+    switch (tt) {                                                                                     \
+    case 1: rows_block_f32(W, 1, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;                 \
+    case 2: rows_block_f32(W, 2, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;                 \
+    case 3: rows_block_f32(W, 3, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;                 \
+    default: rows_block_f32(W, 4, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;                \
+    }
 int memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, int fmt, int wb, int nbp,
                    const float *scales, const float *offsets, const float *bias, float *y, int mode, float limit,
                    int nthreads) {
@@ -736,16 +764,27 @@ int memra_gemv_f32(const float *x, int T, int K, long N, const uint8_t *codes, i
         long r0, r1;
         thread_rows(rows, &r0, &r1);
         for (int t0 = 0; t0 < T && r0 < r1; t0 += 4) {
-            switch (T - t0 < 4 ? T - t0 : 4) {
-            case 1: rows_block_f32(&w, 1, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
-            case 2: rows_block_f32(&w, 2, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
-            case 3: rows_block_f32(&w, 3, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
-            default: rows_block_f32(&w, 4, r0, r1, t0, x, xs, bias, y, N, mode, limit); break;
+            const int tt = T - t0 < 4 ? T - t0 : 4;
+            if (w.fmt == FMT_U4 && w.wb == 32) { /* literal formats, as in memra_gemv */
+                weight_f32_t v = w;
+                v.fmt = FMT_U4, v.wb = 32;
+                ROWS_BLOCK_F32_TT(&v, tt);
+            } else if (w.fmt == FMT_S8 && w.wb == 32) {
+                weight_f32_t v = w;
+                v.fmt = FMT_S8, v.wb = 32;
+                ROWS_BLOCK_F32_TT(&v, tt);
+            } else if (w.fmt == FMT_S8 && w.wb == 16) {
+                weight_f32_t v = w;
+                v.fmt = FMT_S8, v.wb = 16;
+                ROWS_BLOCK_F32_TT(&v, tt);
+            } else {
+                ROWS_BLOCK_F32_TT(&w, tt);
             }
         }
     }
     return 0;
 }
+#undef ROWS_BLOCK_F32_TT
 
 /* ---------------------------------------------------------------------------------------- */
 /* A Llama-family decode step over every decoder layer in one call (memra/models/llama.py
