@@ -156,6 +156,126 @@ def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
     return w, s
 
 
+# 4 NVFP4 code bytes ($4; elements 2i: low nibbles, 2i + 1: high nibbles) and their 4 scales (one
+# per byte, two packed pairs: $5 bytes 0, 1; $6 bytes 2, 3) -> 4 even elements ($0, $1) and 4 odd
+# elements ($2, $3), each
+# E2M1 * scale, exact: _NVFP4_SPLIT_F16 decodes E2M1 * 2^-14 (fp16 bits: sign to 15, magnitude to
+# 9..11; code 1 is the subnormal 2^-15), _NVFP4_SPLIT_BF16 E2M1 * 2^-126 (bf16 bits: sign to 15,
+# magnitude to 6..8); one packed multiply per pair of elements.
+_NVFP4_SPLIT_F16 = tl.constexpr("""
+{
+.reg .b32 t01, t23, a, b, w;
+prmt.b32 t01, $4, 0, 0x4140;
+prmt.b32 t23, $4, 0, 0x4342;
+shl.b32 a, t01, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t01, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.f16x2 $0, w, $5;
+shl.b32 a, t23, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t23, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.f16x2 $1, w, $6;
+shl.b32 a, t01, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t01, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.f16x2 $2, w, $5;
+shl.b32 a, t23, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 b, t23, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.f16x2 $3, w, $6;
+}
+""")
+_NVFP4_SPLIT_BF16 = tl.constexpr("""
+{
+.reg .b32 t01, t23, a, b, w;
+prmt.b32 t01, $4, 0, 0x4140;
+prmt.b32 t23, $4, 0, 0x4342;
+shl.b32 a, t01, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t01, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.bf16x2 $0, w, $5;
+shl.b32 a, t23, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t23, 12;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.bf16x2 $1, w, $6;
+shl.b32 a, t01, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t01, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.bf16x2 $2, w, $5;
+shl.b32 a, t23, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t23, 8;
+and.b32 b, b, 0x80008000;
+or.b32 w, a, b;
+mul.rn.bf16x2 $3, w, $6;
+}
+""")
+
+
+@triton.jit
+def _nvfp4_split_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                      EVEN_K: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
+    """NVFP4 weight rows rn [BN] (in range), columns k0 .. k0 + BK of one expert, split by parity:
+    (even [BN, BK // 2], odd [BN, BK // 2]) = (W[rn, k0 + 2i], W[rn, k0 + 2i + 1]) * 2^-8 in CDT.
+
+    Each code byte holds one even and one odd element, so the two halves come straight out of the
+    byte tile: no interleaving of the decoded values (the tl.join + reshape of _w_tile cost ~5
+    byte permutes per pair of weights in SASS). The caller multiplies x's even and odd columns
+    with them (two dots) and the accumulator by 2^8. Values E2M1 * UE4M3 * 2^-8 are exact in
+    fp16, bf16 and fp32 (at most 5 significant bits, magnitudes 2^-18 .. 10.5). ASM (CDT fp16 or
+    bf16): decode and scale in one packed asm per 4 bytes (_NVFP4_SPLIT_F16 / _BF16); else fp32
+    arithmetic (the interpreter's form)."""
+    rb = k0 // 2 + tl.arange(0, BK // 2)
+    if EVEN_K:
+        b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :])
+    else:
+        b = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=(rb * 2 < K)[None, :], other=0)
+    rs = k0 // 16 + tl.arange(0, BK // 16)
+    if EVEN_K:
+        sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]).to(tl.int32)
+    else:
+        sbyte = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :], mask=(rs * 16 < K)[None, :],
+                        other=0).to(tl.int32)
+    raw = _ue4m3_raw(sbyte)  # UE4M3 * 2^-8
+    if ASM and CDT != tl.float32:
+        if CDT == tl.bfloat16:  # decoded E2M1 * 2^-126; raw * 2^126 in [2^109, 2^126.8]
+            s8 = tl.reshape(tl.broadcast_to((raw * 8.507059173023462e37).to(tl.bfloat16)[:, :, None],
+                                            [BN, BK // 16, 8]), [BN, BK // 2])
+            ev, od = tl.inline_asm_elementwise(_NVFP4_SPLIT_BF16, "=r,=r,=r,=r,r,r,r", [b, s8],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:  # decoded E2M1 * 2^-14; raw * 2^14 in [2^-3, 28672]
+            s8 = tl.reshape(tl.broadcast_to((raw * 16384.0).to(tl.float16)[:, :, None], [BN, BK // 16, 8]),
+                            [BN, BK // 2])
+            ev, od = tl.inline_asm_elementwise(_NVFP4_SPLIT_F16, "=r,=r,=r,=r,r,r,r", [b, s8],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        r8 = tl.reshape(tl.broadcast_to((raw * 16384.0)[:, :, None], [BN, BK // 16, 8]), [BN, BK // 2])
+        ev = (_e2m1_scaled(bi & 15).to(tl.float32) * r8).to(CDT)  # E2M1 * 2^-14 * raw * 2^14, exact
+        od = (_e2m1_scaled(bi >> 4).to(tl.float32) * r8).to(CDT)
+    return ev, od
+
+
+@triton.jit
+def _parity(x, R: tl.constexpr, C: tl.constexpr):
+    # x [R, C] -> (x[:, 0::2], x[:, 1::2])
+    return tl.split(tl.reshape(x, [R, C // 2, 2]))
+
+
 @triton.jit
 def _block_scale(s_ptr, row, k0, stride_sn):
     # fp8: the 128x128 block scale of weight row ``row`` (scalar) at K offset k0
@@ -215,38 +335,48 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
             xa = tl.load(x_ptr + tok[:, None] * stride_x + rk[None, :], mask=xm, other=0.0)
             if not F8IN:
                 xa = xa.to(CDT)
-            wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
-                             not EXACT)
-            wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
-                             not EXACT)
-            if SWAP:
-                acc_g = _mma(wg, tl.trans(xa), acc_g, IEEE)
-                acc_u = _mma(wu, tl.trans(xa), acc_u, IEEE)
-            elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element: row scale x block scale
-                pg = _mm(xa, tl.trans(wg), IEEE)
-                pu = _mm(xa, tl.trans(wu), IEEE)
-                bg = _block_scale(sb, rg0, k0, stride_sn)
-                bu = _block_scale(sb, rg0 + U, k0, stride_sn)
-                if F8IN:
-                    xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
-                    acc_g += pg * (xs * bg)[:, None]
-                    acc_u += pu * (xs * bu)[:, None]
-                else:
-                    acc_g += pg * bg
-                    acc_u += pu * bu
-            elif FMT == 1:
-                pg = _mm(xa, tl.trans(wg), IEEE)
-                pu = _mm(xa, tl.trans(wu), IEEE)
-                if F8IN:
-                    xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
-                    acc_g += pg * xs[:, None] * sg[None, :]
-                    acc_u += pu * xs[:, None] * su[None, :]
-                else:
-                    acc_g += pg * sg[None, :]
-                    acc_u += pu * su[None, :]
+            if FMT == 2 and not SWAP:  # nvfp4: even and odd columns, two dots per weight tile
+                xe, xo = _parity(xa, BM, BK)
+                ge, go = _nvfp4_split_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, BA, BK, EVEN_K, CDT, not EXACT)
+                acc_g = _mma(xo, tl.trans(go), _mma(xe, tl.trans(ge), acc_g, IEEE), IEEE)
+                ue, uo = _nvfp4_split_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, BA, BK, EVEN_K, CDT, not EXACT)
+                acc_u = _mma(xo, tl.trans(uo), _mma(xe, tl.trans(ue), acc_u, IEEE), IEEE)
             else:
-                acc_g = _mma(xa, tl.trans(wg), acc_g, IEEE)
-                acc_u = _mma(xa, tl.trans(wu), acc_u, IEEE)
+                wg, sg = _w_tile(wb, sb, rg, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
+                                 not EXACT)
+                wu, su = _w_tile(wb, sb, ru, k0, K, stride_wn, stride_sn, FMT, BA, BK, EVEN_K, CDT, F8IN, SCALAR_S,
+                                 not EXACT)
+                if SWAP:
+                    acc_g = _mma(wg, tl.trans(xa), acc_g, IEEE)
+                    acc_u = _mma(wu, tl.trans(xa), acc_u, IEEE)
+                elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element: row scale x block scale
+                    pg = _mm(xa, tl.trans(wg), IEEE)
+                    pu = _mm(xa, tl.trans(wu), IEEE)
+                    bg = _block_scale(sb, rg0, k0, stride_sn)
+                    bu = _block_scale(sb, rg0 + U, k0, stride_sn)
+                    if F8IN:
+                        xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
+                        acc_g += pg * (xs * bg)[:, None]
+                        acc_u += pu * (xs * bu)[:, None]
+                    else:
+                        acc_g += pg * bg
+                        acc_u += pu * bu
+                elif FMT == 1:
+                    pg = _mm(xa, tl.trans(wg), IEEE)
+                    pu = _mm(xa, tl.trans(wu), IEEE)
+                    if F8IN:
+                        xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=valid, other=0.0)
+                        acc_g += pg * xs[:, None] * sg[None, :]
+                        acc_u += pu * xs[:, None] * su[None, :]
+                    else:
+                        acc_g += pg * sg[None, :]
+                        acc_u += pu * su[None, :]
+                else:
+                    acc_g = _mma(xa, tl.trans(wg), acc_g, IEEE)
+                    acc_u = _mma(xa, tl.trans(wu), acc_u, IEEE)
+        if FMT == 2 and not SWAP:  # the split tiles hold W * 2^-8
+            acc_g = acc_g * 256.0
+            acc_u = acc_u * 256.0
         a = acc_g * tl.sigmoid(acc_g)
         if HAS_LIMIT:
             a = tl.minimum(a, limit)
@@ -309,27 +439,34 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, bexp_ptr, wt_
             a = tl.load(a_ptr + rm64[:, None] * stride_a + rk[None, :], mask=am, other=0.0)
             if not F8:
                 a = a.to(CDT)
-            w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8, SCALAR_S, ASM)
-            if SWAP:
-                acc = _mma(w, tl.trans(a), acc, IEEE)
-            elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element
-                p = _mm(a, tl.trans(w), IEEE)
-                bs = _block_scale(sb, pid_n * BN, k0, stride_sn)
-                if F8:
-                    asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
-                    acc += p * (asc * bs)[:, None]
-                else:
-                    acc += p * bs
-            elif FMT == 1:
-                p = _mm(a, tl.trans(w), IEEE)
-                if F8:
-                    asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
-                    acc += p * asc[:, None] * s[None, :]
-                else:
-                    acc += p * s[None, :]
+            if FMT == 2 and not SWAP:  # nvfp4: even and odd columns, two dots
+                ae, ao = _parity(a, BM, BK)
+                we, wo = _nvfp4_split_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, BN, BK, EVEN_K, CDT, ASM)
+                acc = _mma(ao, tl.trans(wo), _mma(ae, tl.trans(we), acc, IEEE), IEEE)
             else:
-                acc = _mma(a, tl.trans(w), acc, IEEE)
+                w, s = _w_tile(wb, sb, rnc, k0, K, stride_wn, stride_sn, FMT, BN, BK, EVEN_K, CDT, F8, SCALAR_S, ASM)
+                if SWAP:
+                    acc = _mma(w, tl.trans(a), acc, IEEE)
+                elif FMT == 1 and SCALAR_S:  # one FMA per accumulator element
+                    p = _mm(a, tl.trans(w), IEEE)
+                    bs = _block_scale(sb, pid_n * BN, k0, stride_sn)
+                    if F8:
+                        asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
+                        acc += p * (asc * bs)[:, None]
+                    else:
+                        acc += p * bs
+                elif FMT == 1:
+                    p = _mm(a, tl.trans(w), IEEE)
+                    if F8:
+                        asc = tl.load(as_ptr + rm64 * stride_as + k0 // 128, mask=valid, other=0.0)
+                        acc += p * asc[:, None] * s[None, :]
+                    else:
+                        acc += p * s[None, :]
+                else:
+                    acc = _mma(a, tl.trans(w), acc, IEEE)
         wt = tl.load(wt_ptr + pair, mask=valid, other=0.0)
+        if FMT == 2 and not SWAP:  # the split tiles hold W * 2^-8
+            wt = wt * 256.0
         if SWAP:  # acc is [BN, BM]
             acc = acc * wt[None, :]
             om = n_ok[:, None] & valid[None, :]

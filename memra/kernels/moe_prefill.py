@@ -36,8 +36,9 @@ padded to BLOCK_M" scheme of vLLM's ``fused_moe`` / SGLang (ideas only, own code
 
 Dot operands (per format; ``CDT`` = x's dtype, bf16 on the GPU; fp32 x gives fp32 operands
 with IEEE (non-TF32) dots, exact weights):
-- bf16: the weights as they are. nvfp4: codes decoded to E2M1 * UE4M3 (exact in fp16 and bf16:
-  at most 6 significant bits, magnitudes 2^-10..2688). q8_0: code * d rounded to CDT (relative
+- bf16: the weights as they are. nvfp4: codes decoded to E2M1 * UE4M3 * 2^-8 (exact in fp16 and
+  bf16: at most 5 significant bits, magnitudes 2^-18..10.5; the accumulator is multiplied by 2^8;
+  ``swap_ab`` decodes E2M1 * UE4M3 unscaled). q8_0: code * d rounded to CDT (relative
   error <= 2^-9 per weight in bf16, as gemv's tensor-core path).
 - fp8, ``fp8_act=False``: E4M3 codes converted to CDT (exact), the 128x128 block scale applied
   to each 128-K step's fp32 product.
@@ -55,8 +56,13 @@ with IEEE (non-TF32) dots, exact weights):
 Kernel details that matter for speed (H200, measured): fp8 tiles whose rows lie in one 128-row
 scale block load one block scale per K step and fold it with the activation scale into one FMA
 per accumulator element (``SCALAR_S``: the gate+up loop went from 343 to 215 SASS instructions,
-no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are decoded by the packed asm of
-:mod:`memra.kernels._gemv_triton` and scaled in fp16 (exact); ``swap_ab`` (transposed products,
+no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are decoded by parity
+(``_nvfp4_split_tile``: a code byte holds element 2i in its low nibble and 2i + 1 in its high one, so
+the even and odd halves of a tile come straight out of the byte tile, each multiplied with x's
+even or odd columns in its own dot; decode and scale are one packed asm per 4 bytes, in x's
+dtype): 38 % fewer SASS instructions per kernel-A loop step than decoding to the natural order
+(tl.join + reshape: byte permutes and an fp16 -> bf16 conversion per weight), 25 % less time on the
+issue-bound multi-token decode path (H200, memra/kernels/NOTES.md); ``swap_ab`` (transposed products,
 the dequantized tile as wgmma's register operand) is available for the non-fp8 formats but lost
 every nvfp4 tuning point (the bf16 entries were tuned before it existed). Launch configurations come from the H200 tuning table
 (:data:`TUNED_TABLE`, written by ``memra bench moe-grouped --tune``, :mod:`memra.bench.moe_tune`).
@@ -408,10 +414,15 @@ def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int 
     bk = 128
     if fmt == "q8_0":
         bk = max(32, fit(bk, d))
-    # H200 sweep (nvfp4, T = 2..256): 64 act columns x 128 K per kernel-A program and 64 x 128 per
-    # kernel-B program, 4 warps, 3 stages, no swap_ab (swap_ab was 10-20 % slower at every T; 8 warps 2x slower)
-    return MoePrefillConfig(block_m=16, block_n=fit(64, i), block_k=fit(bk, d), num_warps=4, num_stages=3, group_m=1,
-                            block_n_down=fit(64, d), block_k_down=max(32 if fmt == "q8_0" else 16, fit(128, i)),
+    # H200 sweep (nvfp4, T = 2..256): 4 warps, 3 stages, 128 K per step, no swap_ab (swap_ab 1.5x slower at
+    # every T, 8 warps 1.4x, 256 K 1.1x); since the parity decode (_nvfp4_split_tile), 128 act columns per
+    # kernel-A program and 128 rows per kernel-B program: 260 vs 271 us at T = 8, 922 vs 999 at 64 (at T <= 4,
+    # where the layer takes the GEMV kernels, 64 columns were 5-10 % faster). One tile for every T keeps a
+    # token's result independent of the step's size. Other formats keep 64 x 64 (not re-swept).
+    wide = fmt == "nvfp4"
+    return MoePrefillConfig(block_m=16, block_n=fit(128 if wide else 64, i), block_k=fit(bk, d),
+                            num_warps=4, num_stages=3, group_m=1, block_n_down=fit(128 if wide else 64, d),
+                            block_k_down=max(32 if fmt == "q8_0" else 16, fit(128, i)),
                             fp8_act=False, combine="sum", swap_ab=False, align="triton")
 
 

@@ -37,11 +37,12 @@ from .device import KernelLayer
 __all__ = ["MOE_DECODE_MAX_T", "MoE", "RoutedExperts"]
 
 # GPU: up to this many tokens through moe_decode's GEMV kernels, more through the grouped tensor-core
-# GEMMs. The crossover measured on the H200 (NVFP4 experts, flagship shape, `python -m memra.bench.moe_census
-# --curve`, benchmarks/results/moe-curve-h200.json): GEMV faster at T = 1..16 (556 vs 588 us at 16),
-# grouped faster from T = 64 (1325 vs 2101 us); both paths read each chosen expert once per call and
-# combine deterministically.
-MOE_DECODE_MAX_T = 16
+# GEMMs. The crossover measured on the H200 (NVFP4 experts, flagship shape, uniform routing, `python -m
+# memra.bench.moe_census --curve`, benchmarks/results/moe-curve-h200.json, after the grouped kernels
+# decoded NVFP4 by parity): GEMV faster at T = 1, 2 (82.9 vs 92.5 us at 2), a tie at 4 (154.4 vs 150.6),
+# grouped faster from 8 (289 vs 260 us; 556 vs 417 at 16); both paths read each chosen expert once per call
+# and combine deterministically.
+MOE_DECODE_MAX_T = 4
 
 
 class RoutedExperts(KernelLayer):

@@ -1,0 +1,67 @@
+"""Occupancy sweep of the single-token MoE decode kernels (H200): ncu showed them latency-bound
+(gate+up 168 registers, 3 warps per scheduler, 40 % of issue slots busy, 38 % of DRAM bandwidth),
+so this times tile shapes and warp counts that trade registers for warps, at T = 1, 4, 16, with
+the fraction of the byte floor (distinct experts x bytes per expert at the copy bandwidth of the
+same run). Writes JSON to argv[1] (default /tmp/moe-occupancy.json) and prints a table.
+
+Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, replace
+
+import torch
+
+from memra.bench.common import FLAGSHIP, copy_bandwidth, random_moe
+from memra.bench.moe_census import moe_config_sweep
+from memra.kernels.moe_decode import default_moe_config
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/moe-occupancy.json"
+    e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
+    bw = copy_bandwidth()
+    gu, dn, _ = random_moe("nvfp4", torch.device("cuda"))
+    per_expert = gu.expert_nbytes + dn.expert_nbytes
+    del gu, dn
+    rows = []
+    for t in (1, 4, 16):
+        base = default_moe_config("nvfp4", t, k, e, i, d)
+        cands = [base]
+        for ba, bk1 in ((16, 512), (32, 256), (16, 256), (8, 512)):
+            for bn, nw in ((64, 4), (32, 4), (64, 8)):
+                for pf in (True, False):
+                    c = replace(base, ba=ba, bk1=bk1, bn=bn, num_warps=nw, prefetch=pf)
+                    if c not in cands:
+                        cands.append(c)
+        cands += [replace(base, num_warps=8), replace(base, bn=32), replace(base, prefetch=not base.prefetch)]
+        res = moe_config_sweep(ts=(t,), configs=cands, reps=15, inner=8, routings=8)
+        nd = _expected_distinct(t, e, k)
+        floor_us = nd * per_expert / bw * 1e6
+        for r in res:
+            r["floor_us"] = floor_us
+            r["pct_floor"] = 100.0 * floor_us / r["us"] if "us" in r else None
+            r["default"] = r["config"] == asdict(base)
+        rows += res
+    rows_ok = [r for r in rows if "us" in r]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert")
+    print(" T  default  us      %floor  ba  bk1  bn  warps prefetch")
+    for t in (1, 4, 16):
+        best = sorted([r for r in rows_ok if r["t"] == t], key=lambda r: r["us"])
+        for r in [x for x in best if x["default"]] + best[:5]:
+            c = r["config"]
+            print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
+                  f"{c['bn']:3d} {c['num_warps']:5d} {c['prefetch']}")
+    json.dump(dict(copy_tbs=bw / 1e12, per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
+
+
+def _expected_distinct(t: int, e: int, k: int) -> float:
+    """Expected distinct experts among t tokens each choosing k distinct of e uniformly."""
+    return e * (1.0 - (1.0 - k / e) ** t)
+
+
+if __name__ == "__main__":
+    main()
