@@ -161,7 +161,9 @@ def _w_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn,
 # elements ($2, $3), each
 # E2M1 * scale, exact: _NVFP4_SPLIT_F16 decodes E2M1 * 2^-14 (fp16 bits: sign to 15, magnitude to
 # 9..11; code 1 is the subnormal 2^-15), _NVFP4_SPLIT_BF16 E2M1 * 2^-126 (bf16 bits: sign to 15,
-# magnitude to 6..8); one packed multiply per pair of elements.
+# magnitude to 6..8: the nibble n, alone in its 16-bit half, times 2^6 + 2^12 puts n << 6 at bits
+# 6..9 and n << 12 at 12..15 without overlap, and one mask keeps bits 6..8 and 15; the odd nibble,
+# already at bits 4..7, times 2^2 + 2^8); one packed multiply by the scales per pair of elements.
 _NVFP4_SPLIT_F16 = tl.constexpr("""
 {
 .reg .b32 t01, t23, a, b, w;
@@ -195,32 +197,24 @@ mul.rn.f16x2 $3, w, $6;
 """)
 _NVFP4_SPLIT_BF16 = tl.constexpr("""
 {
-.reg .b32 t01, t23, a, b, w;
+.reg .b32 t01, t23, a, w;
 prmt.b32 t01, $4, 0, 0x4140;
 prmt.b32 t23, $4, 0, 0x4342;
-shl.b32 a, t01, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t01, 12;
-and.b32 b, b, 0x80008000;
-or.b32 w, a, b;
+and.b32 a, t01, 0x000F000F;
+mul.lo.u32 a, a, 0x1040;
+and.b32 w, a, 0x81C081C0;
 mul.rn.bf16x2 $0, w, $5;
-shl.b32 a, t23, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t23, 12;
-and.b32 b, b, 0x80008000;
-or.b32 w, a, b;
+and.b32 a, t23, 0x000F000F;
+mul.lo.u32 a, a, 0x1040;
+and.b32 w, a, 0x81C081C0;
 mul.rn.bf16x2 $1, w, $6;
-shl.b32 a, t01, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t01, 8;
-and.b32 b, b, 0x80008000;
-or.b32 w, a, b;
+and.b32 a, t01, 0x00F000F0;
+mul.lo.u32 a, a, 0x0104;
+and.b32 w, a, 0x81C081C0;
 mul.rn.bf16x2 $2, w, $5;
-shl.b32 a, t23, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t23, 8;
-and.b32 b, b, 0x80008000;
-or.b32 w, a, b;
+and.b32 a, t23, 0x00F000F0;
+mul.lo.u32 a, a, 0x0104;
+and.b32 w, a, 0x81C081C0;
 mul.rn.bf16x2 $3, w, $6;
 }
 """)
