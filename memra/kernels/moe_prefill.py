@@ -411,18 +411,19 @@ def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int 
             b //= 2
         return b
 
-    bk = 128
+    # H200 sweeps (nvfp4, T = 2..256, `python -m memra.bench.moe_census --curve`): 4 warps, 3 stages, no
+    # swap_ab (1.5x slower at every T; 8 warps 1.1x, 4 stages 1.2x). Since the parity decode
+    # (_nvfp4_split_tile): 128 act columns per kernel-A program and 128 rows per kernel-B program (260 vs
+    # 271 us at T = 8, 922 vs 999 at 64, against 64 x 64), and 256 K per step in both (398 vs 425 us at
+    # T = 16, 868 vs 935 at 64, against 128). One tile for every T keeps a token's result independent of
+    # the step's size. Other formats keep 64 x 64 and 128 K (not re-swept).
+    wide = fmt == "nvfp4"
+    bk = 256 if wide else 128
     if fmt == "q8_0":
         bk = max(32, fit(bk, d))
-    # H200 sweep (nvfp4, T = 2..256): 4 warps, 3 stages, 128 K per step, no swap_ab (swap_ab 1.5x slower at
-    # every T, 8 warps 1.4x, 256 K 1.1x); since the parity decode (_nvfp4_split_tile), 128 act columns per
-    # kernel-A program and 128 rows per kernel-B program: 260 vs 271 us at T = 8, 922 vs 999 at 64 (at T <= 4,
-    # where the layer takes the GEMV kernels, 64 columns were 5-10 % faster). One tile for every T keeps a
-    # token's result independent of the step's size. Other formats keep 64 x 64 (not re-swept).
-    wide = fmt == "nvfp4"
     return MoePrefillConfig(block_m=16, block_n=fit(128 if wide else 64, i), block_k=fit(bk, d),
                             num_warps=4, num_stages=3, group_m=1, block_n_down=fit(128 if wide else 64, d),
-                            block_k_down=max(32 if fmt == "q8_0" else 16, fit(128, i)),
+                            block_k_down=max(32 if fmt == "q8_0" else 16, fit(256 if wide else 128, i)),
                             fp8_act=False, combine="sum", swap_ab=False, align="triton")
 
 
