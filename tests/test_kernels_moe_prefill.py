@@ -355,6 +355,15 @@ def test_config_validation_and_defaults():
     gq, dq = _banks("q8_0", 64, seed=10)
     with pytest.raises(ValueError, match="multiple of 32"):
         moe_prefill(x, index, w, gq, dq, None, config=_cfg("q8_0", 64, block_k=16))
+    gn, dn = _banks("nvfp4", 64, seed=10)  # the parity decode's dots take K = block_k / 2 >= 16
+    with pytest.raises(ValueError, match="block_k = 16 for nvfp4 must be a multiple of 32"):
+        moe_prefill(x, index, w, gn, dn, None, config=_cfg("nvfp4", 64, block_k=16))
+    with pytest.raises(ValueError, match="block_k_down = 16 for nvfp4 must be a multiple of 32"):
+        moe_prefill(x, index, w, gn, dn, None, config=_cfg("nvfp4", 64, block_k=32, block_k_down=16))
+    # the wide nvfp4 decode tiles only for 16-bit activations (fp32 operands would overflow shared memory)
+    wide, narrow = (grouped_decode_config("nvfp4", 16, x_dtype=dt) for dt in (torch.bfloat16, torch.float32))
+    assert (wide.block_n, wide.block_k, wide.block_n_down, wide.block_k_down) == (128, 256, 128, 256)
+    assert (narrow.block_n, narrow.block_k, narrow.block_n_down, narrow.block_k_down) == (64, 128, 64, 128)
     with pytest.raises(ValueError, match="fused gate/up"):
         moe_prefill(x, index, w, dq, dq, None)
     with pytest.raises(ValueError, match="x must be"):

@@ -230,7 +230,8 @@ def _nvfp4_split_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn, BN: tl.cons
     byte tile: no interleaving of the decoded values (the tl.join + reshape of _w_tile cost ~5
     byte permutes per pair of weights in SASS). The caller multiplies x's even and odd columns
     with them (two dots) and the accumulator by 2^8. Values E2M1 * UE4M3 * 2^-8 are exact in
-    fp16, bf16 and fp32 (at most 5 significant bits, magnitudes 2^-18 .. 10.5). ASM (CDT fp16 or
+    fp16, bf16 and fp32 (at most 6 significant bits, e.g. 6 * 416 = 0b100111 * 2^6; magnitudes 2^-18 ..
+    11.25, scale bytes read with bit 7 ignored as ggml does). ASM (CDT fp16 or
     bf16): decode and scale in one packed asm per 4 bytes (_NVFP4_SPLIT_F16 / _BF16); else fp32
     arithmetic (the interpreter's form)."""
     rb = k0 // 2 + tl.arange(0, BK // 2)
@@ -246,12 +247,15 @@ def _nvfp4_split_tile(w_ptr, s_ptr, rn, k0, K, stride_wn, stride_sn, BN: tl.cons
                         other=0).to(tl.int32)
     raw = _ue4m3_raw(sbyte)  # UE4M3 * 2^-8
     if ASM and CDT != tl.float32:
-        if CDT == tl.bfloat16:  # decoded E2M1 * 2^-126; raw * 2^126 in [2^109, 2^126.8]
+        # bf16: decoded E2M1 * 2^-126 (codes +-0.5: the bf16 subnormal 2^-127, kept by mul.rn.bf16x2,
+        # which has no flush-to-zero form; checked by the flagship-shape GPU tests); raw * 2^126 in
+        # [2^109, 1.875 * 2^126]
+        if CDT == tl.bfloat16:
             s8 = tl.reshape(tl.broadcast_to((raw * 8.507059173023462e37).to(tl.bfloat16)[:, :, None],
                                             [BN, BK // 16, 8]), [BN, BK // 2])
             ev, od = tl.inline_asm_elementwise(_NVFP4_SPLIT_BF16, "=r,=r,=r,=r,r,r,r", [b, s8],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:  # decoded E2M1 * 2^-14; raw * 2^14 in [2^-3, 28672]
+        else:  # decoded E2M1 * 2^-14; raw * 2^14 in [2^-3, 30720]
             s8 = tl.reshape(tl.broadcast_to((raw * 16384.0).to(tl.float16)[:, :, None], [BN, BK // 16, 8]),
                             [BN, BK // 2])
             ev, od = tl.inline_asm_elementwise(_NVFP4_SPLIT_F16, "=r,=r,=r,=r,r,r,r", [b, s8],

@@ -37,7 +37,7 @@ padded to BLOCK_M" scheme of vLLM's ``fused_moe`` / SGLang (ideas only, own code
 Dot operands (per format; ``CDT`` = x's dtype, bf16 on the GPU; fp32 x gives fp32 operands
 with IEEE (non-TF32) dots, exact weights):
 - bf16: the weights as they are. nvfp4: codes decoded to E2M1 * UE4M3 * 2^-8 (exact in fp16 and
-  bf16: at most 5 significant bits, magnitudes 2^-18..10.5; the accumulator is multiplied by 2^8;
+  bf16: at most 6 significant bits, magnitudes 2^-18..11.25; the accumulator is multiplied by 2^8;
   ``swap_ab`` decodes E2M1 * UE4M3 unscaled). q8_0: code * d rounded to CDT (relative
   error <= 2^-9 per weight in bf16, as gemv's tensor-core path).
 - fp8, ``fp8_act=False``: E4M3 codes converted to CDT (exact), the 128x128 block scale applied
@@ -59,8 +59,8 @@ per accumulator element (``SCALAR_S``: the gate+up loop went from 343 to 215 SAS
 no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are decoded by parity
 (``_nvfp4_split_tile``: a code byte holds element 2i in its low nibble and 2i + 1 in its high one, so
 the even and odd halves of a tile come straight out of the byte tile, each multiplied with x's
-even or odd columns in its own dot; decode and scale are one packed asm per 4 bytes, in x's
-dtype): 38 % fewer SASS instructions per kernel-A loop step than decoding to the natural order
+even or odd columns in its own dot; with bf16 or fp16 x, decode and scale are one packed asm per 4
+bytes in that dtype, with fp32 x fp32 arithmetic): 38 % fewer SASS instructions per kernel-A loop step than decoding to the natural order
 (tl.join + reshape: byte permutes and an fp16 -> bf16 conversion per weight), 25 % less time on the
 issue-bound multi-token decode path (H200, memra/kernels/NOTES.md); ``swap_ab`` (transposed products,
 the dequantized tile as wgmma's register operand) is available for the non-fp8 formats but lost
@@ -105,7 +105,9 @@ __all__ = [
 ]
 
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2, "q8_0": 3}
-_BK_UNIT = {"bf16": 16, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # block_k multiple of (scale groups)
+# block_k multiple of: the scale groups; for nvfp4 32, as the parity decode's two dots take K = block_k / 2 and
+# Triton's dot needs K >= 16 on sm_90
+_BK_UNIT = {"bf16": 16, "fp8": 16, "nvfp4": 32, "q8_0": 32}
 FP8_MAX = 448.0
 
 
@@ -395,14 +397,16 @@ GROUPED_DECODE_MAX_T = 256  # tokens: up to here the MoE layer's multi-token cal
 
 
 def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int = 1280,
-                          d: int = 4096) -> MoePrefillConfig:
+                          d: int = 4096, x_dtype: torch.dtype = torch.bfloat16) -> MoePrefillConfig:
     """The launch configuration of the multi-token decode path (2..:data:`GROUPED_DECODE_MAX_T`
     tokens: speculative verify steps, batched decode): the grouped GEMMs of :func:`moe_prefill`
     with 16-row pair blocks (at T <= 256 an expert meets a few tokens, so one block holds them and
     each chosen expert's weights are read once per step), the one-launch alignment, the
     deterministic per-pair combine (``combine="sum"``: batch-invariant) and exact fp8 weights
     (``fp8_act=False``: no activation rounding, as the single-token kernel). Tiles from the H200
-    sweep of ``python -m memra.bench.moe_census --curve`` (memra/kernels/NOTES.md)."""
+    sweep of ``python -m memra.bench.moe_census --curve`` (memra/kernels/NOTES.md). ``x_dtype``: the
+    activations' dtype; float32 keeps the narrower nvfp4 tiles (the wide ones' fp32 operands in shared
+    memory would need 254 KB a program on sm_90, past the H200's 227 KB)."""
     if fmt not in _FMT_ID:
         raise ValueError(f"grouped_decode_config: unknown format {fmt!r}; expected one of {tuple(_FMT_ID)}")
 
@@ -417,7 +421,7 @@ def grouped_decode_config(fmt: str, t: int, topk: int = 8, e: int = 288, i: int 
     # 271 us at T = 8, 922 vs 999 at 64, against 64 x 64), and 256 K per step in both (398 vs 425 us at
     # T = 16, 868 vs 935 at 64, against 128). One tile for every T keeps a token's result independent of
     # the step's size. Other formats keep 64 x 64 and 128 K (not re-swept).
-    wide = fmt == "nvfp4"
+    wide = fmt == "nvfp4" and x_dtype != torch.float32
     bk = 256 if wide else 128
     if fmt == "q8_0":
         bk = max(32, fit(bk, d))

@@ -142,7 +142,7 @@ class RoutedExperts(KernelLayer):
             cfg = None
             if t <= prefill_kernels.GROUPED_DECODE_MAX_T:
                 b = self.gate_up_bank
-                cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k)
+                cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k, x.dtype)
             return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
                                                add=add, config=cfg)
         self.build()
