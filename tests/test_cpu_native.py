@@ -19,7 +19,7 @@ from memra.kernels import cpu_native
 from memra.kernels.fused import swiglu_torch
 from memra.kernels.norm_rope import rope_torch
 from memra.layers import attention as attention_layer
-from memra.layers.linear import NATIVE_MAX_ROWS, Linear
+from memra.layers.linear import NATIVE_MAX_ROWS, Linear, dense_linear
 from memra.layers.norm import RMSNorm
 from memra.quant.dequant import q6_k_parts
 from memra.quant.tensor import QTensor
@@ -630,7 +630,7 @@ def test_linear_picks_native_and_matches_dense(dtype):
     int8 activations; fp32: the exact weights). Up to NATIVE_MAX_ROWS rows (also as [2, 2, K]) its
     output is the native GEMV's exactly and the fp32 dequantized product's within the kernel's error
     bound (bf16: the int8 activations' and 5e-2 of the max; fp32: the fp32 sum's); more rows take
-    the dense GEMM (F.linear over the stored weight, bit-exact). Linear.swiglu is the fused call."""
+    the dense GEMM (dense_linear over the stored weight, bit-exact; fp32 also within the fp32 sum's bound). Linear.swiglu is the fused call."""
     rng = np.random.default_rng(21)
     g = torch.Generator().manual_seed(22)
     for stack in ([(Q.Q8_0, 48), (Q.Q6_K, 80)], [(Q.Q4_0, 64), (Q.Q4_1, 64)]):
@@ -652,9 +652,12 @@ def test_linear_picks_native_and_matches_dense(dtype):
                 else:
                     bound = q8_error_bound(x, W) + 2.0**-8 * exact.abs() + 1e-5 * exact.abs().max()
                     assert bool(((y.float() - exact).abs() <= bound).all()) and rel(y, exact) < 5e-2, T
-            else:
+            else:  # the dense GEMM (float32: oneDNN's, memra.layers.linear.dense_linear), vs the fp32 product
                 assert not lin.native_rows(x)
-                assert torch.equal(y, F.linear(x, lin.stored, lin.bias))
+                assert torch.equal(y, dense_linear(x, lin.stored, lin.bias))
+                if dtype == torch.float32:
+                    exact = x.double() @ W.double().t() + lin.bias.double()
+                    assert bool(((y.double() - exact).abs() <= fp32_sum_bound(x, W) + 1e-6 * bias.abs()).all())
         x4 = torch.randn(2, 2, 256, generator=g).to(dtype)
         assert torch.equal(lin(x4), lin(x4.view(4, 256)).view(2, 2, 128))
         x = torch.randn(3, 256, generator=g).to(dtype)
