@@ -630,7 +630,8 @@ def test_linear_picks_native_and_matches_dense(dtype):
     int8 activations; fp32: the exact weights). Up to NATIVE_MAX_ROWS rows (also as [2, 2, K]) its
     output is the native GEMV's exactly and the fp32 dequantized product's within the kernel's error
     bound (bf16: the int8 activations' and 5e-2 of the max; fp32: the fp32 sum's); more rows take
-    the dense GEMM (dense_linear over the stored weight, bit-exact; fp32 also within the fp32 sum's bound). Linear.swiglu is the fused call."""
+    the dense GEMM (dense_linear over the stored weight, bit-exact; fp32 also within the fp32 sum's
+    bound). Linear.swiglu is the fused call."""
     rng = np.random.default_rng(21)
     g = torch.Generator().manual_seed(22)
     for stack in ([(Q.Q8_0, 48), (Q.Q6_K, 80)], [(Q.Q4_0, 64), (Q.Q4_1, 64)]):

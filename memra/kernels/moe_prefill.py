@@ -60,9 +60,10 @@ no spills; kernel A at T = 4096, each tuned: 1.97 -> 1.57 ms); nvfp4 weights are
 (``_nvfp4_split_tile``: a code byte holds element 2i in its low nibble and 2i + 1 in its high one, so
 the even and odd halves of a tile come straight out of the byte tile, each multiplied with x's
 even or odd columns in its own dot; with bf16 or fp16 x, decode and scale are one packed asm per 4
-bytes in that dtype, with fp32 x fp32 arithmetic): 38 % fewer SASS instructions per kernel-A loop step than decoding to the natural order
-(tl.join + reshape: byte permutes and an fp16 -> bf16 conversion per weight), 25 % less time on the
-issue-bound multi-token decode path (H200, memra/kernels/NOTES.md); ``swap_ab`` (transposed products,
+bytes in that dtype, with fp32 x fp32 arithmetic): 44 % fewer SASS instructions per kernel-A loop
+step than decoding to the natural order (tl.join + reshape: byte permutes and an fp16 -> bf16
+conversion per weight), 25 % less time on the issue-bound multi-token decode path (H200,
+memra/kernels/NOTES.md); ``swap_ab`` (transposed products,
 the dequantized tile as wgmma's register operand) is available for the non-fp8 formats but lost
 every nvfp4 tuning point (the bf16 entries were tuned before it existed). Launch configurations come from the H200 tuning table
 (:data:`TUNED_TABLE`, written by ``memra bench moe-grouped --tune``, :mod:`memra.bench.moe_tune`).

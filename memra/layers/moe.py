@@ -38,10 +38,10 @@ __all__ = ["MOE_DECODE_MAX_T", "MoE", "RoutedExperts"]
 
 # GPU: up to this many tokens through moe_decode's GEMV kernels, more through the grouped tensor-core
 # GEMMs. The crossover measured on the H200 (NVFP4 experts, flagship shape, uniform routing, `python -m
-# memra.bench.moe_census --curve`, benchmarks/results/moe-curve-h200.json, after the grouped kernels
-# decoded NVFP4 by parity): GEMV faster at T = 1, 2 (82.9 vs 92.5 us at 2), a tie at 4 (154.4 vs 150.6),
-# grouped faster from 8 (289 vs 260 us; 556 vs 417 at 16); both paths read each chosen expert once per call
-# and combine deterministically.
+# memra.bench.moe_census --curve`, benchmarks/results/moe-curve-h200-final.json, after the grouped kernels
+# decoded NVFP4 by parity): GEMV faster at T = 1, 2 (83.9 vs 99.2 us at 2), a tie at 4 (155.4 vs 151.5),
+# grouped faster from 8 (291.8 vs 246.7 us; 557.3 vs 398.6 at 16); both paths read each chosen expert once
+# per call and combine deterministically.
 MOE_DECODE_MAX_T = 4
 
 
