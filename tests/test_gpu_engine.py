@@ -555,14 +555,15 @@ def _spec_vs_plain_on_gpu(path, prompts, params, methods, **common):
     speculation off. The GPU's bf16 results depend on the batch shape (plain decode through CUDA
     graphs vs plain eager already differ on some prompts), so the bound is that baseline: a
     speculative run may differ from plain eager decode on no more prompts than plain decode's own
-    two paths differ from each other (at least 1). Returns {name: (accepted, drafted, graph steps)}."""
+    two paths differ from each other (at least 1). Returns {name: (accepted, drafted, graph steps, MTP layers run from CUDA graphs)}."""
     from memra.engine.llm import LLM
 
     def run(**kw):
         llm = LLM(path, device="cuda", **common, **kw)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         e = llm.engine
-        stats = (sum(e.spec_accepted), sum(e.spec_drafted), e.runner.num_graph_steps)
+        stats = (sum(e.spec_accepted), sum(e.spec_drafted), e.runner.num_graph_steps,
+                 getattr(e.proposer, "num_graph_layers", 0))
         del llm, e
         torch.cuda.empty_cache()
         return out, stats
@@ -602,7 +603,7 @@ def test_speculation_on_gpu_keeps_greedy_output():
                                    "draft": dict(speculative_method="draft", speculative_model=p,
                                                  num_speculative_tokens=4)},
                                   max_model_len=512, max_num_seqs=4)
-    for accepted, _, graph_steps in stats.values():
+    for accepted, _, graph_steps, _ in stats.values():
         assert accepted > 0 and graph_steps > 0
     assert stats["draft"][0] > 0.8 * stats["draft"][1]
 
@@ -624,8 +625,9 @@ def test_mtp_speculation_on_gpu_keeps_greedy_output(tmp_path):
                                   {f"mtp{k}": dict(speculative_method="mtp", num_speculative_tokens=k,
                                                    speculative_max_batch=32) for k in (1, 3)},
                                   max_model_len=256, max_num_seqs=32)
-    for _, drafted, graph_steps in stats.values():
+    for _, drafted, graph_steps, mtp_graph_layers in stats.values():
         assert drafted > 20 * 64 // 2 and graph_steps > 0
+        assert mtp_graph_layers > 0  # steady-state drafting replays the MTP layers' CUDA graphs
 
 @pytest.mark.gpu
 def test_fp8_attention_weights_on_gpu(tmp_path):

@@ -36,10 +36,13 @@ class _Seq:
         return len(self.all_token_ids)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
 @pytest.mark.parametrize("K", [1, 2, 3])
-def test_mtp_proposer_equals_full_recompute(tiny_dir, K):
+def test_mtp_proposer_equals_full_recompute(tiny_dir, K, padded):
     """Drive the proposer as the engine does, with random acceptance, and compare every round's
-    draft logits with ``draft()`` recomputed over the whole context (no cache) from the same base."""
+    draft logits with ``draft()`` recomputed over the whole context (no cache) from the same base.
+    ``padded``: steady-state rounds take the padded-row layout that the GPU captures in CUDA graphs
+    (here run eagerly, the attention through the decode kernels' torch twins)."""
     model, _ = load_model(tiny_dir, torch.float32)
     rng = random.Random(K)
     L = 190
@@ -48,7 +51,7 @@ def test_mtp_proposer_equals_full_recompute(tiny_dir, K):
         h_ref = model(torch.tensor(T), torch.arange(L), ContiguousKVCache(model.config, L), prenorm=True)
     rec: list = []
     prop = MTPProposer(model, K, block_size=4, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16,
-                       device=torch.device("cpu"), record=rec)
+                       device=torch.device("cpu"), record=rec, graphs=padded)
     P, D = 37, model.config.hidden_size
     req = _Seq(T[:P])
     compared = restarts = 0
@@ -90,10 +93,68 @@ def test_mtp_proposer_equals_full_recompute(tiny_dir, K):
             (got_logits - want_logits).abs().max()
         compared += 1
     assert compared > 30 and restarts > 0
+    assert prop.num_eager_layers > 0  # the chunked prefill's rounds and restarts
+    assert (prop.num_graph_layers > compared) == padded, (prop.num_graph_layers, compared)
     pool = prop.cache.manager
     assert 0 < pool.num_used_blocks <= 2 * (8 // 4 + 16 // 4 + 3)  # sliding window: old blocks released
     prop.release(set())
     assert pool.num_used_blocks == 0 and not prop.states
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mtp_padded_rows_equal_packed_over_a_batch(tiny_dir, device):
+    """Several requests at once, with different acceptances, rooms and restarts: the padded-row
+    layout (each request's rows in its own slot, the head on each slot's last row) drafts what the
+    packed layout drafts, round by round, with the same logits (each MTP step reads its own row).
+    On the GPU (fp32 weights and activations) the padded rows replay CUDA graphs and the packed ones
+    run eagerly through the prefill attention kernel: logits agree to 1e-3."""
+    model, _ = load_model(tiny_dir, torch.float32)
+    if device == "cuda":
+        model.to_gpu("cuda", torch.float32)
+    K, L, B = 3, 120, 3
+    tol = dict(atol=2e-4, rtol=1e-4) if device == "cpu" else dict(atol=1e-3, rtol=1e-3)
+    rng = random.Random(5)
+    T = [[rng.randrange(3, VOCAB) for _ in range(L)] for _ in range(B)]
+    with torch.no_grad():
+        H = [model(torch.tensor(t, device=device), torch.arange(L, device=device),
+                   ContiguousKVCache(model.config, L, device=device), prenorm=True) for t in T]
+    recs, props = ([], []), []
+    for padded, rec in zip((False, True), recs):
+        props.append(MTPProposer(model, K, block_size=4, max_num_seqs=B, max_model_len=256,
+                                 max_num_batched_tokens=32, device=torch.device(device), record=rec, graphs=padded))
+    reqs = [[_Seq(T[b][:20 + 3 * b]) for b in range(B)] for _ in props]
+    hidden = {b: (0, H[b][:20 + 3 * b]) for b in range(B)}
+    rounds = 0
+    while min(r.num_tokens for r in reqs[0]) < L - 2 * K - 2:
+        rooms = [rng.randrange(0, K + 1) for _ in range(B)]
+        outs = []
+        for prop, rs in zip(props, reqs):
+            outs.append(prop.draft(rs, {id(r): k for r, k in zip(rs, rooms) if k},
+                                   {id(r): hidden[b] for b, r in enumerate(rs) if b in hidden}))
+        got = [[o.get(id(r), []) for r in rs] for o, rs in zip(outs, reqs)]
+        assert got[0] == got[1], rounds
+        recorded = [[rec[-1].get(id(r)) for r in rs] for rec, rs in zip(recs, reqs)]
+        for ra, rb in zip(*recorded):
+            assert (ra is None) == (rb is None)
+            if ra is not None:
+                assert ra[0] == rb[0] and torch.allclose(ra[1], rb[1], **tol), (ra[1] - rb[1]).abs().max()
+        rounds += 1
+        hidden = {}
+        for b in range(B):
+            N = reqs[0][b].num_tokens
+            if rng.random() < 0.1:  # no rows this step (drafting stepped aside): restarts later
+                step = rng.randrange(1, 4)
+            else:
+                acc = rng.randrange(0, len(got[0][b]) + 1)
+                step = acc + 1
+                junk = torch.randn(len(got[0][b]) - acc, model.config.hidden_size, device=device)
+                hidden[b] = (N - 1, torch.cat([H[b][N - 1:N + acc], junk]))
+            for rs in reqs:
+                rs[b].all_token_ids = T[b][:N + step]
+    assert rounds > 20 and props[1].num_graph_layers > 2 * rounds
+    for p in props:
+        p.release(set())
+        assert p.cache.manager.num_used_blocks == 0
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

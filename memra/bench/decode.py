@@ -18,7 +18,8 @@ Speculation (``--mtp K``): the model keeps K MTP layers, and for each batch size
 times the verify step (B sequences x (K + 1) query rows: the last token and K drafts, replayed
 through the same decode CUDA graphs at batch B(K + 1)) and the MTP drafting of the step
 (memra/engine/speculative.py ``MTPProposer.draft`` in steady state: every request consumes r =
-accepted + 1 new hidden rows and drafts K tokens; timed for r = 1 .. K + 1). Random weights accept
+accepted + 1 new hidden rows and drafts K tokens; timed for r = 1 .. K + 1, replaying its CUDA graphs
+as the engine does, and eagerly in the same run for the ratio). Random weights accept
 nothing, so the accepted length A (tokens per sequence per step, bonus included) is forced
 (``--accepted``): effective tok/s = B x A / (verify + drafting at A), against plain decode's
 B / step (drafting at a fractional A interpolates between its neighbouring r).
@@ -271,33 +272,44 @@ def _bench_mtp(a, model, runner, tables, groups, b: int, plain_ms: float) -> dic
             return len(self.all_token_ids)
 
     warm = 600  # rows of the first call: more than the MTP layers' window
-    reqs = [Seq(torch.randint(3, V, (a.context,), generator=gen).tolist()) for _ in range(b)]
-    prop = MTPProposer(model, K, block_size=16, max_num_seqs=b, max_model_len=a.context + 4 * (K + 1) * (a.reps + 8),
-                       max_num_batched_tokens=warm, device=runner.device)
     dev = runner.device
 
     def rows(n):
         return torch.randn(n, D, device=dev, dtype=torch.bfloat16)
 
-    room = {id(r): K for r in reqs}
-    prop.draft(reqs, room, {id(r): (a.context - warm, rows(warm)) for r in reqs})  # base = context - warm
-    draft_ms = {}
-    for r in range(1, K + 2):
-        times = []
-        for it in range(a.reps + 3):
-            hidden = {}
-            for q in reqs:
-                first = q.num_tokens - 1
-                q.all_token_ids = q.all_token_ids + torch.randint(3, V, (r,), generator=gen).tolist()
-                hidden[id(q)] = (first, rows(r + (K - (r - 1))))  # 1 + K rows computed, r verified
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = prop.draft(reqs, room, hidden)
-            torch.cuda.synchronize()
-            if it >= 3:
-                times.append((time.perf_counter() - t0) * 1e3)
-        assert all(len(out[id(q)]) == K for q in reqs)
-        draft_ms[r] = statistics.median(times)
+    def drafting(graphs: bool) -> tuple[dict[int, float], int]:
+        """ms per round by verified rows r (median), and the rounds' layers that replayed a graph."""
+        reqs = [Seq(torch.randint(3, V, (a.context,), generator=gen).tolist()) for _ in range(b)]
+        prop = MTPProposer(model, K, block_size=16, max_num_seqs=b,
+                           max_model_len=a.context + 4 * (K + 1) * (a.reps + 8), max_num_batched_tokens=warm,
+                           device=dev, graphs=graphs)
+        room = {id(r): K for r in reqs}
+        prop.draft(reqs, room, {id(r): (a.context - warm, rows(warm)) for r in reqs})  # base = context - warm
+        ms = {}
+        for r in range(1, K + 2):
+            times = []
+            for it in range(a.reps + 3):
+                hidden = {}
+                for q in reqs:
+                    first = q.num_tokens - 1
+                    q.all_token_ids = q.all_token_ids + torch.randint(3, V, (r,), generator=gen).tolist()
+                    hidden[id(q)] = (first, rows(r + (K - (r - 1))))  # 1 + K rows computed, r verified
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = prop.draft(reqs, room, hidden)
+                torch.cuda.synchronize()
+                if it >= 3:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            assert all(len(out[id(q)]) == K for q in reqs)
+            ms[r] = statistics.median(times)
+        n_graph = prop.num_graph_layers
+        prop.release(set())
+        del prop
+        torch.cuda.empty_cache()
+        return ms, n_graph
+
+    draft_eager_ms, _ = drafting(False)
+    draft_ms, graph_layers = drafting(True)
     eff = {}
     for acc in a.accepted:
         lo = min(max(int(acc), 1), K + 1)
@@ -306,9 +318,10 @@ def _bench_mtp(a, model, runner, tables, groups, b: int, plain_ms: float) -> dic
         tok_s = b * acc / (verify_ms + d) * 1e3
         eff[str(acc)] = {"draft_ms": d, "step_ms": verify_ms + d, "tok_s": tok_s, "speedup": tok_s / (b / plain_ms * 1e3)}
     row = {"num_speculative_tokens": K, "verify_rows": len(ids), "verify_ms": verify_ms,
-           "verify_over_plain": verify_ms / plain_ms, "draft_ms_by_rows": draft_ms, "effective": eff,
+           "verify_over_plain": verify_ms / plain_ms, "draft_ms_by_rows": draft_ms,
+           "draft_eager_ms_by_rows": draft_eager_ms, "draft_graph_layers": graph_layers, "effective": eff,
            "verify_logits_finite": finite}
-    drafting = ", ".join(f"r={r} {v:.3f}" for r, v in draft_ms.items())
+    drafting = ", ".join(f"r={r} {v:.3f} (eager {draft_eager_ms[r]:.3f})" for r, v in draft_ms.items())
     effective = ", ".join(f"A={k} {v['tok_s']:.0f} tok/s ({v['speedup']:.2f}x)" for k, v in eff.items())
     print(f"B={b} MTP K={K}: verify {verify_ms:.3f} ms ({row['verify_over_plain']:.2f}x plain), drafting "
           f"{drafting} ms; effective {effective}", flush=True)
@@ -360,14 +373,16 @@ def print_table(res: dict) -> None:
     if spec:
         accs = list(spec[0]["speculation"]["effective"])
         print(f"\nMTP K={res['mtp']} speculation (accepted length A forced: random weights accept nothing)")
-        hdr = ("| batch | plain ms | verify ms | verify / plain | " + " | ".join(f"draft ms A={x}" for x in accs)
+        hdr = ("| batch | plain ms | verify ms | verify / plain | drafting r=1..K+1 ms: graphs (eager) | "
+               + " | ".join(f"draft ms A={x}" for x in accs)
                + " | " + " | ".join(f"tok/s A={x} (x plain)" for x in accs) + " |")
         print(hdr)
         print("|" + " --- |" * (hdr.count("|") - 1))
         for r in spec:
             sp = r["speculation"]
             e = sp["effective"]
-            print(f"| {r['batch']} | {r['step_ms']:.3f} | {sp['verify_ms']:.3f} | {sp['verify_over_plain']:.2f} | "
+            dr = ", ".join(f"{v:.2f} ({sp['draft_eager_ms_by_rows'][k]:.2f})" for k, v in sp["draft_ms_by_rows"].items())
+            print(f"| {r['batch']} | {r['step_ms']:.3f} | {sp['verify_ms']:.3f} | {sp['verify_over_plain']:.2f} | {dr} | "
                   + " | ".join(f"{e[x]['draft_ms']:.3f}" for x in accs) + " | "
                   + " | ".join(f"{e[x]['tok_s']:.0f} ({e[x]['speedup']:.2f})" for x in accs) + " |")
 

@@ -45,15 +45,17 @@ class DecodeKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v [B, KV, D] to their slots, then attend q [B, H, D] -> [B, H, D] over the pages
-        (memra/kernels/attention_decode.py; ``gate`` [B, H]: output times sigmoid(gate))."""
-        from ..kernels.attention_decode import paged_decode_attention
-        from ..kernels.fused import kv_write
+        (memra/kernels/attention_decode.py; ``gate`` [B, H]: output times sigmoid(gate)). On the CPU
+        the kernels' torch twins run instead (the MTP proposer's padded rows are tested there)."""
+        from ..kernels import attention_decode, fused
 
         cache = self.cache
         gi = cache.layer_group[layer]
         kc, vc = cache.k[layer], cache.v[layer]
-        kv_write(k, v, kc, vc, self.slots[gi])
-        return paged_decode_attention(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
+        cpu = q.device.type == "cpu"
+        (fused.kv_write_ref if cpu else fused.kv_write)(k, v, kc, vc, self.slots[gi])
+        attend = attention_decode.paged_decode_attention_ref if cpu else attention_decode.paged_decode_attention
+        return attend(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
 
 
 MAX_GRAPH_BATCH = 64  # the decode kernels' widest input (memra/layers/linear.py gpu_linear, moe_decode)

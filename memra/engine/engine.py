@@ -344,7 +344,12 @@ class LLMEngine:
                 cfg.speculative_method, model=model, draft_model=draft, k=cfg.num_speculative_tokens, device=device,
                 block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                main_blocks=max(blocks))  # (a full-attention group's count: sliding ones are capped below it)
+                main_blocks=max(blocks),  # (a full-attention group's count: sliding ones are capped below it)
+                graphs=graphs is not None, max_graph_reqs=min(cfg.max_num_seqs, cfg.speculative_max_batch))
+            g = getattr(self.proposer, "graphs", None)
+            if g is not None and device.type == "cuda":
+                self.memory_report += (f"; MTP drafting graphs: {len(g.graphs)} ({cfg.num_speculative_tokens} layers x "
+                                       f"{g.buckets[0]}..{g.buckets[-1]} requests) in {g.capture_seconds:.1f} s")
         self.spec_drafted = [0] * cfg.num_speculative_tokens  # per draft position: proposed, accepted
         self.spec_accepted = [0] * cfg.num_speculative_tokens
         self._parents: dict[str, _Parent] = {}

@@ -43,7 +43,7 @@ class Proposer(Protocol):
     """Drafts tokens for the running requests of an engine.
 
     ``needs_hidden``: the engine passes the target's pre-final-norm hidden rows of every request
-    computed in the step (MTP heads consume them); the runner then skips CUDA graphs.
+    computed in the step (MTP heads consume them) (graphed decode steps return them too).
     """
 
     needs_hidden: bool
@@ -121,12 +121,14 @@ class _OwnCache:
         groups: KV-cache groups of the drafting layers (their attention indices).
         num_blocks: blocks per group.
         block_size, dtype, device: as the engine's cache.
+        scratch: the storage gets one more block per group, never allocated (block index
+            ``num_blocks[g]``), where padded rows write their K/V.
     """
 
     def __init__(self, groups: list[KVGroupSpec], num_blocks: list[int], block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, scratch: bool = False):
         self.manager = KVCacheManager(groups, num_blocks, block_size, enable_prefix_caching=False)
-        self.storage = PagedKVCache(groups, num_blocks, block_size, dtype, device=device)
+        self.storage = PagedKVCache(groups, [n + int(scratch) for n in num_blocks], block_size, dtype, device=device)
         self.device = device
 
     @staticmethod
@@ -242,6 +244,14 @@ def _ends(chunks: list[SeqChunk]):
         yield off - 1
 
 
+def _to_device(rows: list[list[int]], device: torch.device, dtype=torch.int64) -> list[torch.Tensor]:
+    """Host integer lists -> device tensors through one (pinned, non-blocking) copy: no host sync."""
+    flat = torch.tensor([v for r in rows for v in r], dtype=dtype)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(torch.split(flat, [len(r) for r in rows]))
+
+
 class _MTPState:
     """One request's MTP state (:class:`MTPProposer`): cache positions are ``position - base``;
     ``done[j]``: positions < done[j] hold verified K/V in MTP layer j; ``carry[j]``: layer j's output
@@ -253,6 +263,153 @@ class _MTPState:
         self.seq, self.base = _Seq(), base
         self.done = [base] * n
         self.carry: list[torch.Tensor | None] = [None] * n
+
+
+class _Segment:
+    """MTP layer j's rows of one request in one round: positions s .. end - 1 (the verified ones end at
+    ``limit``), the input row of each (an index into the layer's input pool), its token (a literal id,
+    or -1 - r for the r-th draft of the round's token pool) and whether its last row drafts."""
+
+    __slots__ = ("i", "s", "limit", "end", "drafting", "src", "tokens")
+
+    def __init__(self, i: int, s: int, limit: int, end: int, drafting: bool):
+        self.i, self.s, self.limit, self.end, self.drafting = i, s, limit, end, drafting
+        self.src: list[int] = []
+        self.tokens: list[int] = []
+
+
+class _MTPGraphs:
+    """MTP layers over padded rows, one CUDA graph per (layer j, request bucket) on a GPU.
+
+    Layer j gives every request R_j = K + 1 + j rows (the most it runs in steady state: the r <= K + 1
+    verified tokens of the step plus the j positions that depend on drafts), right-aligned, so the
+    drafting row of request slot b is row b * R_j + R_j - 1 and the head runs on a fixed view. Padding
+    rows have context length 0 (the decode attention writes zeros for them) and write their K/V to a
+    scratch block; each row attends as a decode row (:class:`~memra.engine.cuda_graph.DecodeKV`: all
+    rows' K/V are written before any row attends, row r sees cache positions <= its own). Inputs are
+    static buffers filled by device-side gathers; the outputs (z [b * R_j, D], head logits fp32
+    [b, V], their argmax int64 [b]) are read before the next layer's replay (one shared pool: replays
+    run in capture order, layer by layer). On the CPU the same layout runs eagerly (tests).
+
+    Args:
+        model: the Step-3.5 model; cache: the proposer's paged storage (one scratch block per group
+            past those its manager owns, at ``scratch_slots``); k: MTP layers used; max_reqs: most
+            requests per graph; max_blocks: block-table width.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, k: int, max_reqs: int, max_blocks: int, scratch_slots: list[int]):
+        from .cuda_graph import MAX_GRAPH_BATCH, default_buckets
+
+        self.model, self.cache, self.k = model, cache, k
+        dev = cache.k[cache.groups[0].layers[0]].device
+        self.device, self.block_size, self.max_blocks = dev, cache.block_size, max_blocks
+        self.rows = [k + 1 + j for j in range(k)]
+        # at most MAX_GRAPH_BATCH rows (the decode kernels' widest input) in the widest layer
+        max_reqs = max(1, min(max_reqs, MAX_GRAPH_BATCH // self.rows[-1]))
+        self.buckets = default_buckets(max_reqs)
+        n = self.buckets[-1] * self.rows[-1]
+        D = model.config.hidden_size
+        self.scratch = scratch_slots
+        self.h = torch.zeros(n, D, dtype=model.dtype, device=dev)
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.tables = [torch.full((n, max_blocks), -1, dtype=torch.int32, device=dev) for _ in cache.groups]
+        self.slots = [torch.full((n,), s, dtype=torch.int64, device=dev) for s in scratch_slots]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+
+    def _forward(self, j: int, b: int):
+        from .cuda_graph import DecodeKV
+
+        R, m = self.rows[j], b * self.rows[j]
+        kv = DecodeKV(self.cache, [t[:m] for t in self.tables], self.seq_lens[:m], [s[:m] for s in self.slots])
+        z = self.model.mtp_forward(j, self.h[:m], self.ids[:m], self.pos[:m], kv)
+        lg = self.model.mtp[j].logits(z.view(b, R, -1)[:, -1].contiguous())
+        return z, lg, lg.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every (layer, bucket), layer by layer (the order rounds replay them)."""
+        import time
+
+        t0 = time.perf_counter()
+        pool = None
+        for j in range(self.k):
+            for b in reversed(self.buckets):
+                for _ in range(2):
+                    self._forward(j, b)
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._forward(j, b)
+                pool = g.pool()
+                self.graphs[(j, b)], self.outputs[(j, b)] = g, out
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    def fits(self, j: int, segs: list[_Segment], tables: list[list[list[int]]]) -> bool:
+        """Whether layer j's segments fit the padded layout (else the round runs eagerly)."""
+        return (len(segs) <= self.buckets[-1] and all(sg.end - sg.s <= self.rows[j] for sg in segs)
+                and all(len(t) <= self.max_blocks for ts in tables for t in ts))
+
+    def run(self, j: int, segs: list[_Segment], states: list, src: torch.Tensor, token_pool: torch.Tensor | None):
+        """Layer j over ``segs`` (inputs gathered from ``src`` rows and ``token_pool`` drafts).
+        Returns (z, row of each segment's first position in z, head logits [>= len(segs), V], their
+        argmax)."""
+        b = next(x for x in self.buckets if x >= len(segs))
+        R, bs = self.rows[j], self.block_size
+        m = b * R
+        hsrc, ids, refs_at, refs, pos, lens = [0] * m, [0] * m, [], [], [0] * m, [0] * m
+        slots = [[s] * m for s in self.scratch]
+        width = self.max_blocks
+        tables = [torch.full((m, width), -1, dtype=torch.int32) for _ in self.cache.groups]
+        first = []
+        for k, sg in enumerate(segs):
+            st = states[sg.i]
+            c = sg.end - sg.s
+            r0 = k * R + R - c
+            first.append(r0)
+            for q in range(c):
+                r, p = r0 + q, sg.s + q
+                hsrc[r] = sg.src[q]
+                t = sg.tokens[q]
+                if t >= 0:
+                    ids[r] = t
+                else:
+                    refs_at.append(r)
+                    refs.append(-1 - t)
+                pos[r] = p
+                cp = p - st.base
+                lens[r] = cp + 1
+                for g, tbl in enumerate(st.seq.block_tables):
+                    slots[g][r] = tbl[cp // bs] * bs + cp % bs
+            for g, tbl in enumerate(st.seq.block_tables):
+                tables[g][r0:r0 + c, :len(tbl)] = torch.tensor(tbl, dtype=torch.int32)
+        dev = self.device
+        hsrc_d, ids_d, at_d, refs_d, pos_d, *slots_d = _to_device([hsrc, ids, refs_at, refs, pos] + slots, dev)
+        lens_d, = _to_device([lens], dev, torch.int32)
+        tabs = torch.stack(tables)
+        tabs_d = tabs.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tabs
+        if src.dtype == self.h.dtype:
+            torch.index_select(src, 0, hsrc_d, out=self.h[:m])
+        else:
+            self.h[:m].copy_(src[hsrc_d])
+        self.ids[:m].copy_(ids_d)
+        if refs:
+            self.ids[at_d] = token_pool[refs_d]
+        self.pos[:m].copy_(pos_d)
+        self.seq_lens[:m].copy_(lens_d)
+        for g in range(len(tables)):
+            self.slots[g][:m].copy_(slots_d[g])
+            self.tables[g][:m].copy_(tabs_d[g])
+        if dev.type == "cuda":
+            self.graphs[(j, b)].replay()
+            z, lg, tok = self.outputs[(j, b)]
+        else:
+            z, lg, tok = self._forward(j, b)
+        return z, first, lg, tok
 
 
 class MTPProposer:
@@ -272,12 +429,21 @@ class MTPProposer:
     position on (a prefix-cache hit likewise starts them at the first recomputed token). Drafts
     are only ever hints: verification keeps the output exact.
 
+    A round is planned on the host first (which rows each layer runs does not depend on the drafts'
+    values); the drafts stay on the device (a layer's draft-dependent tokens are gathered there) and
+    cross to the host once per round. With ``graphs``, a layer whose rows fit the padded layout of
+    :class:`_MTPGraphs` (every steady-state round: up to K + 1 + j rows per request) replays a CUDA
+    graph; catch-up rounds (a prompt's rows, a restart) run eagerly over :class:`PagedBatch`.
+
     Args:
         model: a :class:`~memra.models.step3p5.Step35ForCausalLM` with at least ``k`` MTP layers.
         k: MTP layers used (= most drafts per step).
         block_size, max_num_seqs, max_model_len, max_num_batched_tokens, device: the engine's settings
             (the MTP cache is sized so that every running sequence's window fits).
         record: if a list, each round appends {id(request): (base, fp32 logits [k', vocab])} (tests).
+        graphs: run steady-state rounds over padded rows (default: on a CUDA device), captured as
+            CUDA graphs on a GPU (eager on the CPU, for tests); ``max_graph_reqs`` requests at most
+            (default ``max_num_seqs``).
 
     Raises: ValueError if the model has fewer than ``k`` MTP layers.
     """
@@ -285,17 +451,48 @@ class MTPProposer:
     needs_hidden = True
 
     def __init__(self, model, k: int, *, block_size: int, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, device: torch.device, record: list | None = None):
+                 max_num_batched_tokens: int, device: torch.device, record: list | None = None,
+                 graphs: bool | None = None, max_graph_reqs: int | None = None):
         n = len(getattr(model, "mtp", ()))
         if n < k:
             raise ValueError(f"speculative_method='mtp' with num_speculative_tokens={k}: this model has {n} MTP "
                              f"layer(s) (num_nextn_predict_layers); use at most {n}" if n else
                              "speculative_method='mtp': this model has no MTP layers (num_nextn_predict_layers = 0)")
+        device = torch.device(device)
         self.model, self.k, self.record, self.device = model, k, record, device
         groups = layer_groups(model.config.mtp_layers[:k])
         blocks = _OwnCache.size(groups, block_size, max_num_seqs, max_model_len, max_num_batched_tokens + k + 1)
-        self.cache = _OwnCache(groups, blocks, block_size, kv_storage_dtype(model.dtype, self.device), self.device)
+        graphs = device.type == "cuda" if graphs is None else graphs
+        self.cache = _OwnCache(groups, blocks, block_size, kv_storage_dtype(model.dtype, self.device), self.device,
+                               scratch=graphs)
         self.states: dict[int, _MTPState] = {}
+        self.graphs = None
+        if graphs:
+            self.graphs = _MTPGraphs(model, self.cache.storage, k, min(max_num_seqs, max_graph_reqs or max_num_seqs),
+                                     -(-max_model_len // block_size) + 1, [b * block_size for b in blocks])
+            if device.type == "cuda":
+                self.graphs.capture()
+        self.num_graph_layers = self.num_eager_layers = 0
+
+    def _plan(self, j: int, work: list, prev: list, toks: list[list[int]], Ns: list[int], drafts_at: list[dict]):
+        """Layer j's segments (class docstring); ``prev[i]``: (p0, row of p0 in the input pool, rows,
+        the carried row's pool index or None) for work item i."""
+        segs = []
+        for i, (_, st, _, kd) in enumerate(work):
+            N, s = Ns[i], st.done[j]
+            p0, o, zlen, carried = prev[i]
+            limit = p0 + zlen if j == 0 else max(s, min(st.done[j - 1], N - 1 - j))
+            end = max(limit, N - 1) if j < kd else limit
+            if end <= s:
+                continue
+            assert (s == p0 or (s == p0 - 1 and carried is not None)) and p0 + zlen >= end, (j, s, p0, zlen, end)
+            sg = _Segment(i, s, limit, end, j < kd)
+            for p in range(s, end):
+                sg.src.append(carried if p < p0 else o + p - p0)
+                t = p + 1 + j
+                sg.tokens.append(toks[i][t] if t < N else -1 - drafts_at[i][t - N])
+            segs.append(sg)
+        return segs
 
     @torch.inference_mode()
     def draft(self, running, room, hidden):
@@ -320,62 +517,104 @@ class MTPProposer:
                 self._drop(id(req))
                 continue
             work.append((req, st, rows, min(room.get(id(req), 0), K)))
-        out = {id(req): [] for req, *_ in work}
-        toks = {id(req): list(req.all_token_ids) for req, *_ in work}  # verified tokens, then this round's drafts
+        out: dict[int, list[int]] = {id(req): [] for req, *_ in work}
         if not work:
             return out
-        logits_rec: dict[int, list[torch.Tensor]] = {}
-        # per request: this round's input of the current layer: (first position p0, rows at p0.., the
-        # previous layer's output at p0 - 1 from an earlier round)
-        prev = {id(req): (st.done[0], rows, None) for req, st, rows, _ in work}
+        toks = [req.all_token_ids for req, *_ in work]
+        Ns = [req.num_tokens for req, *_ in work]
+        states = [st for _, st, _, _ in work]
+        # layer 0's input pool: the target's verified hidden rows of every request
+        pool = torch.cat([rows for _, _, rows, _ in work]) if len(work) > 1 else work[0][2]
+        prev, o = [], 0
+        for _, st, rows, _ in work:
+            prev.append((st.done[0], o, rows.shape[0], None))
+            o += rows.shape[0]
+        drafts_at: list[dict[int, int]] = [{} for _ in work]  # work item -> draft d -> index in the token pool
+        token_parts: list[torch.Tensor] = []  # each drafting layer's tokens (device), concatenated
+        n_tok = 0
+        heads: list[tuple[int, int]] = []  # (work item, index in the token pool), in draft order
+        rec: dict[int, list[torch.Tensor]] = {}
         for j in range(K):
-            chunks, hs, ids, pos, heads, updates = [], [], [], [], [], []
-            nxt: dict[int, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
-            for req, st, _, kd in work:
-                N = req.num_tokens
-                s = st.done[j]
-                p0, z, carried = prev[id(req)]  # z_{j-1} (or h) at positions p0 .. p0 + len(z) - 1
-                nxt[id(req)] = (s, z[:0], st.carry[j])  # (replaced below if layer j runs)
-                # verified positions end at `limit`; a drafting layer runs on to N - 2
-                limit = p0 + z.shape[0] if j == 0 else max(s, min(st.done[j - 1], N - 1 - j))
-                end = max(limit, N - 1) if j < kd else limit
-                if end <= s:
-                    continue
-                if s < p0:  # the one earlier verified position: carried from an earlier round
-                    z = torch.cat([carried[None], z])
-                    p0 = s
-                assert p0 == s and p0 + z.shape[0] >= end, (j, s, p0, z.shape, end)
-                chunks.append(SeqChunk(s - st.base, end - s, st.seq.block_tables))
-                hs.append(z[:end - s])
-                ids.extend(toks[id(req)][s + 1 + j:end + 1 + j])
-                pos.extend(range(s, end))
-                updates.append((req, st, s, limit, end, j < kd))
-            if not chunks:
-                prev = nxt
+            segs = self._plan(j, work, prev, toks, Ns, drafts_at)
+            nxt = [(st.done[j], 0, 0, None) for st in states]  # a request whose layer j does not run
+            carried = [(i, st.carry[j]) for i, st in enumerate(states) if st.carry[j] is not None]
+            if not segs:
+                prev = self._next_pool(nxt, carried, None, [])
+                pool = prev.pop()
                 continue
-            zs = self.model.mtp_forward(j, torch.cat(hs), torch.tensor(ids, device=self.device),
-                                        torch.tensor(pos, device=self.device), kv=self.cache.batch(chunks))
-            off = 0
-            for (req, st, s, limit, _, drafting), c in zip(updates, chunks):
-                z = zs[off:off + c.num_new]
-                off += c.num_new
-                nxt[id(req)] = (s, z, st.carry[j])
-                if limit > s:
-                    st.carry[j] = z[limit - 1 - s].clone()
-                st.done[j] = limit
-                if drafting:
-                    heads.append((req, off - 1))
-            if heads:
-                lg = self.model.mtp[j].logits(zs[torch.tensor([r for _, r in heads], device=self.device)])
-                for (req, _), t, row in zip(heads, lg.argmax(dim=-1).tolist(), lg):
-                    out[id(req)].append(t)
-                    toks[id(req)].append(t)
+            token_pool = torch.cat(token_parts) if token_parts else None
+            g = self.graphs
+            if g is not None and g.fits(j, segs, [states[sg.i].seq.block_tables for sg in segs]):
+                z, first, lg, tok = g.run(j, segs, states, pool, token_pool)
+                self.num_graph_layers += 1
+            else:
+                z, first, lg, tok = self._run_eager(j, segs, states, pool, token_pool)
+                self.num_eager_layers += 1
+            # carries (layer j's output at limit - 1) gathered in one copy; drafts stay on the device
+            upd = [(k, sg) for k, sg in enumerate(segs) if sg.limit > sg.s]
+            if upd:
+                rows_c = z[_to_device([[first[k] + sg.limit - 1 - sg.s for k, sg in upd]], z.device)[0]]
+                for (_, sg), c in zip(upd, rows_c):
+                    states[sg.i].carry[j] = c
+            for k, sg in enumerate(segs):
+                nxt[sg.i] = (sg.s, first[k], sg.end - sg.s, None)
+                states[sg.i].done[j] = sg.limit
+                if sg.drafting:
+                    drafts_at[sg.i][j] = n_tok + k
+                    heads.append((sg.i, n_tok + k))
                     if self.record is not None:
-                        logits_rec.setdefault(id(req), []).append(row.float().cpu())
-            prev = nxt
+                        rec.setdefault(sg.i, []).append(lg[k])
+            token_parts.append(tok[:len(segs)])
+            n_tok += len(segs)
+            prev = self._next_pool(nxt, carried, z, [sg.i for sg in segs])
+            pool = prev.pop()
+        if heads:  # the round's only host synchronisation
+            values = torch.cat(token_parts).tolist()
+            for i, t in heads:
+                out[id(work[i][0])].append(values[t])
         if self.record is not None:
-            self.record.append({rid: (self.states[rid].base, torch.stack(v)) for rid, v in logits_rec.items()})
+            self.record.append({id(work[i][0]): (states[i].base, torch.stack(v).float().cpu())
+                                for i, v in rec.items()})
         return out
+
+    @staticmethod
+    def _next_pool(nxt: list, carried: list, z: torch.Tensor | None, ran: list[int]) -> list:
+        """Layer j + 1's inputs: its pool is layer j's output z followed by the carried rows (layer j's
+        output at done[j] - 1 from an earlier round); returns ``prev`` entries with the pool last."""
+        ran_set = set(ran)
+        parts = [z] if z is not None else []
+        base = z.shape[0] if z is not None else 0
+        out = []
+        idx = {i: base + n for n, (i, _) in enumerate(carried)}
+        for i, (p0, o, zlen, _) in enumerate(nxt):
+            out.append((p0, o if i in ran_set else 0, zlen if i in ran_set else 0, idx.get(i)))
+        parts += [c[None] for _, c in carried]
+        out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
+        return out
+
+    def _run_eager(self, j: int, segs: list[_Segment], states: list, src: torch.Tensor,
+                   token_pool: torch.Tensor | None):
+        """Layer j over ``segs`` packed one after another, attended through :class:`PagedBatch`."""
+        dev = self.device
+        chunks, hsrc, ids, refs_at, refs, pos, first, last = [], [], [], [], [], [], [], []
+        for sg in segs:
+            st = states[sg.i]
+            first.append(len(hsrc))
+            chunks.append(SeqChunk(sg.s - st.base, sg.end - sg.s, st.seq.block_tables))
+            for q, t in enumerate(sg.tokens):
+                if t < 0:
+                    refs_at.append(len(ids))
+                    refs.append(-1 - t)
+                ids.append(max(t, 0))
+                pos.append(sg.s + q)
+            hsrc.extend(sg.src)
+            last.append(len(hsrc) - 1)
+        hsrc_d, ids_d, at_d, refs_d, pos_d, last_d = _to_device([hsrc, ids, refs_at, refs, pos, last], dev)
+        if refs:
+            ids_d[at_d] = token_pool[refs_d]
+        z = self.model.mtp_forward(j, src[hsrc_d], ids_d, pos_d, kv=self.cache.batch(chunks))
+        lg = self.model.mtp[j].logits(z[last_d])
+        return z, first, lg, lg.argmax(dim=-1)
 
     def _drop(self, rid: int) -> None:
         st = self.states.pop(rid, None)
@@ -413,10 +652,12 @@ def proposer_cache_share(method: str, memory: int, groups: list[KVGroupSpec], mo
 
 def make_proposer(method: str, *, model=None, draft_model=None, k: int = 3, device: torch.device | str = "cpu",
                   block_size: int = 16, max_num_seqs: int = 64, max_model_len: int = 2048,
-                  max_num_batched_tokens: int = 512, main_blocks: int | None = None) -> Proposer:
+                  max_num_batched_tokens: int = 512, main_blocks: int | None = None, graphs: bool | None = None,
+                  max_graph_reqs: int | None = None) -> Proposer:
     """The proposer of ``method`` for an engine: ``model`` is the target, ``draft_model`` a loaded
     draft model (``draft``), the rest the engine's settings (``main_blocks``: blocks of the engine's
-    full-attention group, which bounds the draft model's cache).
+    full-attention group, which bounds the draft model's cache; ``graphs``, ``max_graph_reqs``: MTP
+    drafting in CUDA graphs, :class:`MTPProposer`).
 
     Raises: ValueError for an unknown method, a missing draft model, or a target without MTP layers."""
     if method == "ngram":
@@ -426,7 +667,7 @@ def make_proposer(method: str, *, model=None, draft_model=None, k: int = 3, devi
     sizes = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                  max_num_batched_tokens=max_num_batched_tokens, device=torch.device(device))
     if method == "mtp":
-        return MTPProposer(model, k, **sizes)
+        return MTPProposer(model, k, graphs=graphs, max_graph_reqs=max_graph_reqs, **sizes)
     if draft_model is None:
         raise ValueError("speculative_method='draft' needs a draft model (speculative_model / --draft-model)")
     return DraftModelProposer(draft_model, model.config.vocab_size, k=k, main_blocks=main_blocks, **sizes)
