@@ -611,7 +611,8 @@ def test_speculation_on_gpu_keeps_greedy_output():
 @pytest.mark.gpu
 def test_mtp_speculation_on_gpu_keeps_greedy_output(tmp_path):
     """The tiny Step model (bf16) with MTP K = 1 and 3 (random weights: drafts are rarely accepted;
-    the point is that the output does not change)."""
+    the point is that the output does not change), 8 requests at a time, so that the verify steps
+    and the MTP layers' drafting replay their CUDA graphs."""
     import random
 
     from step35_tiny import VOCAB, make_tensors, write_llm_dir
@@ -623,8 +624,8 @@ def test_mtp_speculation_on_gpu_keeps_greedy_output(tmp_path):
     prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 50))] for _ in range(20)]
     stats = _spec_vs_plain_on_gpu(str(d), prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
                                   {f"mtp{k}": dict(speculative_method="mtp", num_speculative_tokens=k,
-                                                   speculative_max_batch=32) for k in (1, 3)},
-                                  max_model_len=256, max_num_seqs=32)
+                                                   speculative_max_batch=8) for k in (1, 3)},
+                                  max_model_len=256, max_num_seqs=8)
     for _, drafted, graph_steps, mtp_graph_layers in stats.values():
         assert drafted > 20 * 64 // 2 and graph_steps > 0
         assert mtp_graph_layers > 0  # steady-state drafting replays the MTP layers' CUDA graphs
