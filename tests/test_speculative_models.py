@@ -122,7 +122,10 @@ def test_mtp_padded_rows_equal_packed_over_a_batch(tiny_dir, device):
     for padded, rec in zip((False, True), recs):
         props.append(MTPProposer(model, K, block_size=4, max_num_seqs=B, max_model_len=256,
                                  max_num_batched_tokens=32, device=torch.device(device), record=rec, graphs=padded))
-    reqs = [[_Seq(T[b][:20 + 3 * b]) for b in range(B)] for _ in props]
+    # and one packed proposer per request alone: in a batch each MTP step must read its own row
+    solo = [MTPProposer(model, K, block_size=4, max_num_seqs=1, max_model_len=256, max_num_batched_tokens=32,
+                        device=torch.device(device), graphs=False) for _ in range(B)]
+    reqs = [[_Seq(T[b][:20 + 3 * b]) for b in range(B)] for _ in range(len(props) + 1)]
     hidden = {b: (0, H[b][:20 + 3 * b]) for b in range(B)}
     rounds = 0
     while min(r.num_tokens for r in reqs[0]) < L - 2 * K - 2:
@@ -133,6 +136,11 @@ def test_mtp_padded_rows_equal_packed_over_a_batch(tiny_dir, device):
                                    {id(r): hidden[b] for b, r in enumerate(rs) if b in hidden}))
         got = [[o.get(id(r), []) for r in rs] for o, rs in zip(outs, reqs)]
         assert got[0] == got[1], rounds
+        alone = []
+        for b, (prop, r) in enumerate(zip(solo, reqs[2])):
+            alone.append(prop.draft([r], {id(r): rooms[b]} if rooms[b] else {}, {id(r): hidden[b]} if b in hidden else {})
+                         .get(id(r), []))
+        assert alone == got[0], rounds
         recorded = [[rec[-1].get(id(r)) for r in rs] for rec, rs in zip(recs, reqs)]
         for ra, rb in zip(*recorded):
             assert (ra is None) == (rb is None)
@@ -152,9 +160,57 @@ def test_mtp_padded_rows_equal_packed_over_a_batch(tiny_dir, device):
             for rs in reqs:
                 rs[b].all_token_ids = T[b][:N + step]
     assert rounds > 20 and props[1].num_graph_layers > 2 * rounds
-    for p in props:
+    for p in props + solo:
         p.release(set())
         assert p.cache.manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("layout", ["paged_batch", "decode_rows"])
+def test_verify_columns_near_the_window_edge_see_exactly_their_window(tiny_dir, layout):
+    """A verify step's 1 + k columns straddling the sliding window's edge (window 8, 4-token blocks,
+    out-of-window blocks released by the block manager) give the logits of a plain forward over the
+    whole sequence at those positions: each column sees exactly its own window. Both attention
+    layouts of a verify step: one chunk of the mixed batch (eager, :class:`PagedBatch`) and one
+    decode row per column sharing the block table (the CUDA-graph layout, :class:`DecodeKV`, here
+    through the kernels' torch twins). Giving every column the last column's context changes them."""
+    from memra.engine.block_manager import KVCacheManager, kv_groups
+    from memra.engine.cuda_graph import DecodeKV
+    from memra.engine.kv_cache import PagedBatch, PagedKVCache, SeqChunk
+    from memra.engine.speculative import _Seq as Seq
+
+    model, _ = load_model(tiny_dir, torch.float32)
+    cfg, bs, P, n = model.config, 4, 30, 4
+    assert any(lc.sliding_window == 8 for lc in cfg.layers)
+    rng = random.Random(11)
+    T = torch.tensor([rng.randrange(3, VOCAB) for _ in range(P + n)])
+    with torch.no_grad():
+        want = model.logits(model(T, torch.arange(P + n), ContiguousKVCache(cfg, P + n)))[P:]
+    groups = kv_groups(cfg)
+    mgr = KVCacheManager(groups, [32] * len(groups), bs, enable_prefix_caching=False)
+    cache = PagedKVCache(groups, [33] * len(groups), bs)  # block 32: scratch, never allocated
+    seq = Seq()
+    with torch.no_grad():
+        assert mgr.allocate(seq, P)
+        model(T[:P], torch.arange(P), PagedBatch(cache, [SeqChunk(0, P, seq.block_tables)], use_kernels=False))
+        seq.num_computed_tokens = P
+        assert mgr.allocate(seq, n)
+        assert any(t[0] == -1 for t in seq.block_tables)  # the sliding group released its first blocks
+        pos = torch.arange(P, P + n)
+
+        def verify(seq_lens):
+            if layout == "paged_batch":
+                kv = PagedBatch(cache, [SeqChunk(P, n, seq.block_tables)], use_kernels=False)
+            else:
+                tables = [torch.tensor([t] * n, dtype=torch.int32) for t in seq.block_tables]
+                slots = [torch.tensor([t[p // bs] * bs + p % bs for p in pos.tolist()]) for t in seq.block_tables]
+                kv = DecodeKV(cache, tables, torch.tensor(seq_lens, dtype=torch.int32), slots)
+            return model.logits(model(T[P:], pos, kv))
+
+        got = verify([p + 1 for p in pos.tolist()])
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+        if layout == "decode_rows":  # the check can fail: every column seeing the last one's context
+            wrong = verify([P + n] * n)
+            assert not torch.allclose(wrong[:-1], want[:-1], atol=1e-2, rtol=1e-2)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -259,9 +259,10 @@ def _layer(t, p, x, pos, heads):
     return x + a @ t[p + "mlp.down_proj.weight"].t()
 
 
-def _mtp_chain(t, hidden, tokens, k):
+def _mtp_chain(t, hidden, tokens, k, chained: bool = True):
     """STEP35.md MTP: step j uses layer N+j; z = [enorm(embed(tok)); hnorm(h_prev)] eh_proj^T -> layer ->
-    logits = output(norm(z)); h_prev is the target's pre-norm hidden for j = 0, then layer N+j-1's z."""
+    logits = output(norm(z)); h_prev is the target's pre-norm hidden for j = 0, then layer N+j-1's z.
+    ``chained=False``: the bug SGLang once had (every step fed the target's hidden state)."""
     h, toks, pos = hidden, tokens, torch.arange(hidden.shape[0])
     drafted, logits = [], []
     for j in range(k):
@@ -274,7 +275,7 @@ def _mtp_chain(t, hidden, tokens, k):
         lg = _rms(z[-1], t[head + "norm.weight"]) @ t[head + "output.weight"].t()
         drafted.append(int(lg.argmax()))
         logits.append(lg)
-        h, toks = z, torch.cat([toks[1:], torch.tensor([drafted[-1]])])
+        h, toks = (z if chained else hidden), torch.cat([toks[1:], torch.tensor([drafted[-1]])])
     return drafted, torch.stack(logits)
 
 
@@ -307,6 +308,11 @@ def test_mtp_draft_matches_restatement(model, tensors, ids, context):
           f"logits rel {rel(logits, want_logits):.2e}")
     assert drafted.tolist() == want
     assert rel(logits, want_logits) < 1e-4
+    # the peers' bug: the target's hidden state fed to every step instead of the previous step's z.
+    # Steps 1 and 2 then score differently, far beyond the tolerance above (step 0 is the same)
+    _, unchained = _mtp_chain(tensors, hidden, toks, 3, chained=False)
+    assert rel(unchained[0], want_logits[0]) < 1e-4
+    assert rel(unchained[1:], want_logits[1:]) > 1e-2, rel(unchained[1:], want_logits[1:])
     if context == 1:  # the single-row form equals a hidden vector and an int token
         assert model.draft(hidden[0], int(toks[0]), 3).tolist() == want
     with pytest.raises(ValueError, match=r"k = 4 must be in \[1, 3\]"):
