@@ -274,6 +274,30 @@ def test_moe_route_matches_model():
         assert i1.dtype == torch.int64 and w1.dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [pytest.param((288, 4096, 64), marks=pytest.mark.gpu), (40, 192, 5)],
+                         ids=["flagship", "small"])
+def test_router_logits_match_reference_and_are_batch_invariant(shape):
+    """The decode router GEMV (fused.router_logits: bf16 h read as it is, fp32 sums) against
+    ``h.float() @ router^T`` (fp64 error bound), and each token's logits bit-identical whether it is
+    routed alone or with the others (the kernel's summation order does not depend on T)."""
+    from memra.kernels.fused import router_logits, router_logits_ref
+
+    E_, D_, T = shape
+    dev = "cuda" if shape[0] == 288 else ("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(12)
+    router = (torch.randn(E_, D_, generator=g) * D_ ** -0.5).to(dev)
+    h = (torch.randn(T, D_, generator=g) * 3).to(torch.bfloat16).to(dev)
+    got = router_logits(h, router)
+    exact = h.double() @ router.double().t()
+    bound = 4 * D_ * 2 ** -24 * (h.double().abs() @ router.double().abs().t())  # fp32 summation error
+    assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all()
+    assert torch.allclose(got, router_logits_ref(h, router), rtol=1e-5, atol=1e-5)
+    for t in (0, T // 2, T - 1):
+        assert torch.equal(router_logits(h[t:t + 1], router), got[t:t + 1])
+    with pytest.raises(ValueError, match="router must be a contiguous fp32"):
+        router_logits(h, router.to(torch.bfloat16))
+
+
 def test_ref_matches_routed_experts():
     from memra.layers.moe import RoutedExperts
 

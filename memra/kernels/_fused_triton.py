@@ -19,6 +19,24 @@ def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.co
 
 
 @triton.jit
+def _router_logits_kernel(h_ptr, w_ptr, out_ptr, E, D, stride_h, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    # logits[t, e] = sum_d fp32(h[t, d]) * w[e, d]: program (pid_e, t) sums BLOCK_E experts' rows for
+    # token t in BLOCK_D-wide fp32 partial sums, then across them (a fixed order: the result does not
+    # depend on how many tokens the launch has)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    t = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    em = e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dm = d0 + d < D
+        x = tl.load(h_ptr + t * stride_h + d0 + d, mask=dm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * D + d0 + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
+        acc += w * x[None, :]
+    tl.store(out_ptr + t * E + e, tl.sum(acc, axis=1), mask=em)
+
+
+@triton.jit
 def _router_topk_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
                         BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr):
     row = tl.program_id(0)

@@ -107,9 +107,55 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling
     weight = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     if t == 0:
         return index, weight
+    block = _np2(e)
+    # one warp up to 1024 experts: the k passes' max / argmin / sum reductions stay in warp shuffles
     _router_topk_kernel[(t,)](logits, logits if bias is None else bias, index, weight, e, float(scaling),
-                              K=k, KP=_np2(k), BLOCK_E=_np2(e), HAS_BIAS=bias is not None, num_warps=4)
+                              K=k, KP=_np2(k), BLOCK_E=block, HAS_BIAS=bias is not None,
+                              num_warps=1 if block <= 1024 else 4)
     return index, weight
+
+
+def router_logits_ref(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`router_logits`: fp32 ``h.float() @ router^T``."""
+    return h.float() @ router.float().t()
+
+
+#: Router logits of up to this many tokens take :func:`router_logits` (decode steps); more (prefill)
+#: take cuBLAS, whose fp32 GEMM is the faster one there.
+ROUTER_LOGITS_MAX_T = 64
+
+
+def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 2, block_d: int = 1024,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Router logits ``fp32(h) @ router^T`` in one launch, h read in its own dtype (no cast pass).
+
+    Args:
+        h: [T, D] bf16 / fp16 / fp32 (unit stride along D); router: fp32 [E, D], contiguous.
+        block_e, block_d, num_warps: launch tuning (experts per program, D per loop step).
+    Returns:
+        fp32 [T, E]. Each token's logits are summed in one fixed order (BLOCK_D-wide fp32 partial
+        sums, then across them), so they do not depend on the other tokens of the launch (cuBLAS picks
+        its kernel, and its summation order, by T). Math: STEP35.md "router" (``need_fp32_gate``).
+    Raises:
+        ValueError: shapes, dtypes or strides that do not match.
+    """
+    from ._fused_triton import _router_logits_kernel
+
+    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
+        raise ValueError(f"router_logits: h [T, D] and router [E, D] expected, got {tuple(h.shape)} and "
+                         f"{tuple(router.shape)}")
+    if router.dtype != torch.float32 or not router.is_contiguous():
+        raise ValueError(f"router_logits: router must be a contiguous fp32 [E, D], got {router.dtype}")
+    if h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or h.stride(1) != 1:
+        raise ValueError(f"router_logits: h must be bf16/fp16/fp32 with a unit stride along D, got {h.dtype} "
+                         f"strides {h.stride()}")
+    t, d = h.shape
+    e = router.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    if t:
+        _router_logits_kernel[(-(-e // block_e), t)](h, router, out, e, d, h.stride(0), BLOCK_E=block_e,
+                                                     BLOCK_D=block_d, num_warps=num_warps)
+    return out
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
