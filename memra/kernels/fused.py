@@ -120,18 +120,22 @@ def router_logits_ref(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     return h.float() @ router.float().t()
 
 
-#: Router logits of up to this many tokens take :func:`router_logits` (decode steps); more (prefill)
-#: take cuBLAS, whose fp32 GEMM is the faster one there.
-ROUTER_LOGITS_MAX_T = 64
+#: Router logits of up to this many tokens take :func:`router_logits`; more take the cast + cuBLAS.
+#: H200, flagship router (288 x 4096), µs per call in a CUDA graph (benchmarks/router_tune.py,
+#: benchmarks/results/issue14/router-tune-h200.json), router_logits at its defaults vs cast + cuBLAS:
+#: T = 1 3.30 vs 6.48, 2 3.93 vs 16.81, 4 5.82 vs 16.88, 8 8.61 vs 20.27, 16 14.24 vs 20.32,
+#: 32 25.32 vs 16.64. One launch configuration for every T keeps a token's logits batch-invariant.
+ROUTER_LOGITS_MAX_T = 16
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 2, block_d: int = 1024,
-                  num_warps: int = 4) -> torch.Tensor:
+def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 1, block_d: int | None = None,
+                  num_warps: int = 8) -> torch.Tensor:
     """Router logits ``fp32(h) @ router^T`` in one launch, h read in its own dtype (no cast pass).
 
     Args:
         h: [T, D] bf16 / fp16 / fp32 (unit stride along D); router: fp32 [E, D], contiguous.
-        block_e, block_d, num_warps: launch tuning (experts per program, D per loop step).
+        block_e, block_d, num_warps: launch tuning (experts per program, D per loop step; default
+            the power of two >= D up to 4096: one expert row per program, loaded at once).
     Returns:
         fp32 [T, E]. Each token's logits are summed in one fixed order (BLOCK_D-wide fp32 partial
         sums, then across them), so they do not depend on the other tokens of the launch (cuBLAS picks
@@ -152,6 +156,7 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 2, block
     t, d = h.shape
     e = router.shape[0]
     out = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    block_d = block_d or min(4096, _np2(d))
     if t:
         _router_logits_kernel[(-(-e // block_e), t)](h, router, out, e, d, h.stride(0), BLOCK_E=block_e,
                                                      BLOCK_D=block_d, num_warps=num_warps)
