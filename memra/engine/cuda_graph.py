@@ -26,7 +26,8 @@ __all__ = ["DecodeKV", "CudaGraphRunner", "default_buckets"]
 
 
 class DecodeKV:
-    """The ``kv`` a model receives for a decode-only step on the GPU.
+    """The ``kv`` a model receives for a decode-only step on the GPU (and for the MTP proposer's padded
+    rows, which also run on the CPU: there through the kernels' torch twins).
 
     Args:
         cache: paged storage on the GPU (each group with one scratch block past those the

@@ -287,9 +287,11 @@ class _MTPGraphs:
     rows have context length 0 (the decode attention writes zeros for them) and write their K/V to a
     scratch block; each row attends as a decode row (:class:`~memra.engine.cuda_graph.DecodeKV`: all
     rows' K/V are written before any row attends, row r sees cache positions <= its own). Inputs are
-    static buffers filled by device-side gathers; the outputs (z [b * R_j, D], head logits fp32
-    [b, V], their argmax int64 [b]) are read before the next layer's replay (one shared pool: replays
-    run in capture order, layer by layer). On the CPU the same layout runs eagerly (tests).
+    static buffers filled by device-side gathers; the outputs are z [b * R_j, D], head logits fp32
+    [b, V] and their argmax int64 [b]. All graphs share one memory pool, captured layer by layer: a
+    graph's outputs stay valid while only graphs captured after it replay (later layers of the same
+    round), so a round may keep views of them (tokens, recorded logits) until its end; the next
+    round's first replay may overwrite them. On the CPU the same layout runs eagerly (tests).
 
     Args:
         model: the Step-3.5 model; cache: the proposer's paged storage (one scratch block per group
@@ -433,7 +435,8 @@ class MTPProposer:
     values); the drafts stay on the device (a layer's draft-dependent tokens are gathered there) and
     cross to the host once per round. With ``graphs``, a layer whose rows fit the padded layout of
     :class:`_MTPGraphs` (every steady-state round: up to K + 1 + j rows per request) replays a CUDA
-    graph; catch-up rounds (a prompt's rows, a restart) run eagerly over :class:`PagedBatch`.
+    graph; a layer where some request has more rows (a prompt's chunk) runs eagerly over
+    :class:`PagedBatch` for all of them (that path also copies its attention metadata with host syncs).
 
     Args:
         model: a :class:`~memra.models.step3p5.Step35ForCausalLM` with at least ``k`` MTP layers.
@@ -443,7 +446,8 @@ class MTPProposer:
         record: if a list, each round appends {id(request): (base, fp32 logits [k', vocab])} (tests).
         graphs: run steady-state rounds over padded rows (default: on a CUDA device), captured as
             CUDA graphs on a GPU (eager on the CPU, for tests); ``max_graph_reqs`` requests at most
-            (default ``max_num_seqs``).
+            (default ``max_num_seqs``; capped so that the widest layer has at most
+            :data:`~memra.engine.cuda_graph.MAX_GRAPH_BATCH` rows: 10 requests at K = 3).
 
     Raises: ValueError if the model has fewer than ``k`` MTP layers.
     """
@@ -568,7 +572,7 @@ class MTPProposer:
             n_tok += len(segs)
             prev = self._next_pool(nxt, carried, z, [sg.i for sg in segs])
             pool = prev.pop()
-        if heads:  # the round's only host synchronisation
+        if heads:  # the round's only host synchronisation when every layer replayed a graph
             values = torch.cat(token_parts).tolist()
             for i, t in heads:
                 out[id(work[i][0])].append(values[t])
