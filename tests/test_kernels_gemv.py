@@ -130,6 +130,11 @@ def test_kernel_matches_reference(fmt):
                   (2, GemvConfig(16, 128, 2, False, f16=True, prefetch=True)),
                   (3, GemvConfig(32, 32, 3, False, f16=True, num_warps=8)), (2, GemvConfig(8, 256, 1, False, f16=True)),
                   (1, GemvConfig(64, 256, 2, False, f16=True, prefetch=True))]
+    if fmt == "fp8":  # fp16x2 path: ragged K (bk = 256), split-K, prefetch, T = 3 padded to 4, 8 warps
+        extra += [(1, GemvConfig(8, 64, 1, False, f16=True)),
+                  (2, GemvConfig(16, 128, 2, False, f16=True, prefetch=True)),
+                  (3, GemvConfig(32, 16, 3, False, f16=True, num_warps=8)), (2, GemvConfig(8, 256, 1, False, f16=True)),
+                  (4, GemvConfig(64, 256, 2, False, f16=True, prefetch=True))]
     for t, cfg in _CASES + extra:
         x = torch.randn(t, k, generator=g).to(xdt).to(_DEV)
         y = decode_linear(x, w, config=cfg)
@@ -140,7 +145,7 @@ def test_kernel_matches_reference(fmt):
         tol = 5e-3 if (cfg.dot and fmt == "q8_0") or (cfg.dot and fmt == "fp8" and cfg.bk > 128) else 1e-5
         if xdt == torch.bfloat16 and cfg.dot:
             tol = max(tol, 1e-4)
-        if cfg.f16 and not cfg.dot:  # nvfp4 fp16x2: fp16 sums of 16 products (the interpreter sums in fp32)
+        if cfg.f16 and not cfg.dot:  # fp16x2 paths: fp16 sums of 16 products (the interpreter sums in fp32)
             tol = 2e-3
         assert y.shape == (t, n) and y.dtype == torch.float32
         assert rel < tol, (fmt, t, cfg, rel)
@@ -148,14 +153,15 @@ def test_kernel_matches_reference(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "q8_0", "nvfp4"])
 def test_kernel_default_config(fmt):
-    """No tuned entry for this shape: default_config (CUDA cores at T <= 2, tensor cores above)."""
+    """No tuned entry for this shape: default_config (CUDA cores at T <= 2, fp16x2 for nvfp4 and fp8;
+    tensor cores above)."""
     w = _weights(24, 192, seed=7)[fmt].to(_DEV)
     g = torch.Generator().manual_seed(8)
     xdt = torch.bfloat16 if _DEV == "cuda" else _CPU_X
     for t in (1, 3):
         x = torch.randn(t, 192, generator=g).to(xdt).to(_DEV)
         y, yr = decode_linear(x, w), decode_linear_ref(x, w)
-        tol = 5e-3 if fmt == "q8_0" and t > 2 else 2e-3 if fmt == "nvfp4" and t <= 2 else 1e-4  # nvfp4: fp16x2 path
+        tol = 5e-3 if fmt == "q8_0" and t > 2 else 2e-3 if fmt in ("nvfp4", "fp8") and t <= 2 else 1e-4  # fp16x2
         assert float((y - yr).abs().max() / yr.abs().max()) < tol
 
 
@@ -173,6 +179,36 @@ def test_nvfp4_f16_activation_range():
         y, yr = decode_linear(x, w, config=cfg), decode_linear_ref(x, w)
         assert torch.isfinite(y).all() and torch.equal(y[1], torch.zeros_like(y[1]))
         assert float((y - yr).abs().max() / yr.abs().max()) < 2e-3, scale
+
+
+def test_fp8_f16_row_blocks_codes_and_range():
+    """The fp8 fp16x2 path: programs in different 128-row scale blocks and a partial last
+    128-column block (N = 272, K = 400), every E4M3 code but NaN once per row, distinct block
+    scales, huge / tiny activations (x is scaled per program into [8, 16)) and a zero column."""
+    n, k = 272, 400
+    g = torch.Generator().manual_seed(11)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    for r in range(n):
+        codes[r] = finite[torch.randint(0, finite.numel(), (k,), generator=g)]
+        codes[r, :finite.numel()] = finite[torch.randperm(finite.numel(), generator=g)]
+    scale = torch.rand(3, 4, generator=g) * 2.0**-6 + 2.0**-9
+    w = DecodeWeight("fp8", n, k, codes.view(torch.float8_e4m3fn), scale, "w8").to(_DEV)
+    wd = dequantize_packed(w).cpu()
+    assert torch.isfinite(wd).all()
+    xdt = torch.bfloat16 if _DEV == "cuda" else torch.float32
+    for cfg in (GemvConfig(16, 128, 1, False, f16=True, prefetch=True), GemvConfig(64, 256, 2, False, f16=True),
+                GemvConfig(128, 64, 1, False, f16=True)):
+        for xscale in (2.0**40, 1.0, 2.0**-40):
+            x = torch.randn(3, k, generator=g) * xscale
+            x[1] = 0.0
+            x = x.to(xdt)
+            y = decode_linear(x.to(_DEV), w, config=cfg).cpu()
+            yr = x.float() @ wd.T
+            assert torch.isfinite(y).all() and torch.equal(y[1], torch.zeros_like(y[1])), (cfg, xscale)
+            assert float((y - yr).abs().max() / yr.abs().max()) < 2e-3, (cfg, xscale)
+    with pytest.raises(ValueError, match="bn <= 128"):
+        decode_linear(torch.randn(1, k).to(xdt).to(_DEV), w, config=GemvConfig(256, 64, 1, False, f16=True))
 
 
 def test_kernel_out_dtype_and_out_buffer():

@@ -169,15 +169,22 @@ def test_moe_decode_formats(fmt):
         r = moe_decode_ref(x, index, weight, gu, down, limit)
         assert y.dtype == torch.float16 and y.shape == (t, D)
         assert _rel(y, r) <= tol, (fmt, t)
-    # fp32 activations: fp32 sums (exact weights) except the nvfp4 fp16x2 path
+    # fp32 activations: fp32 sums (exact weights) except the fp16x2 paths (nvfp4, fp8 by default)
     x = torch.randn(3, D, generator=g)
     index, weight = _routing(3, 3, 5, g)
-    y = moe_decode(x, index, weight, gu, down, 0.7, config=_big_tiles(fmt, 3, i, group="triton"))
     r = moe_decode_ref(x, index, weight, gu, down, 0.7)
-    assert _rel(y, r) <= (2e-3 if fmt == "nvfp4" else 1e-5), fmt
+    for f16 in (True, False):
+        cfg = _big_tiles(fmt, 3, i, group="triton", f16=f16)
+        y = moe_decode(x, index, weight, gu, down, 0.7, config=cfg)
+        assert _rel(y, r) <= _tol(fmt, cfg), (fmt, f16)
 
 
-@pytest.mark.parametrize("fmt,prefetch", [("nvfp4", True), ("q8_0", False)])
+def _tol(fmt: str, cfg) -> float:
+    """fp16x2 paths (nvfp4 and fp8 with f16): fp16 sums of 16 products; else fp32 sums of exact weights."""
+    return 2e-3 if fmt in ("nvfp4", "fp8") and cfg.f16 else 1e-5
+
+
+@pytest.mark.parametrize("fmt,prefetch", [("nvfp4", True), ("q8_0", False), ("fp8", True), ("fp8", False)])
 def test_many_tokens_one_expert(fmt, prefetch):
     """Seven tokens on expert 0: chunks of 4, 2 and 1 tokens; ``out=``; no-prefetch path."""
     i = _i(fmt)
@@ -188,9 +195,10 @@ def test_many_tokens_one_expert(fmt, prefetch):
     weight = torch.rand(t, 2, generator=g) + 0.1
     x = torch.randn(t, D, generator=g)
     out = torch.empty(t, D)
-    y = moe_decode(x, index, weight, gu, down, 1.0, out=out, config=_big_tiles(fmt, t, i, prefetch=prefetch))
+    cfg = _big_tiles(fmt, t, i, prefetch=prefetch, nc=4)
+    y = moe_decode(x, index, weight, gu, down, 1.0, out=out, config=cfg)
     assert y is out
-    assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 1.0)) <= (2e-3 if fmt == "nvfp4" else 1e-5)
+    assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 1.0)) <= _tol(fmt, cfg)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -206,8 +214,8 @@ def test_combine_modes_and_batch_invariance(fmt):
     x = torch.randn(t, D, generator=g)
     add = torch.randn(t, D, generator=g)
     r = moe_decode_ref(x, index, weight, gu, down, 0.5) + add
-    tol = 2e-3 if fmt == "nvfp4" else 1e-5
     cfg = _big_tiles(fmt, t, i)
+    tol = _tol(fmt, cfg)
     assert cfg.combine == "sum"
     for c in ("sum", "atomic"):
         y = moe_decode(x, index, weight, gu, down, 0.5, add=add, config=dataclasses.replace(cfg, combine=c))
@@ -356,10 +364,11 @@ def test_flagship_shape(fmt, flagship_banks):
         x = torch.randn(t, 4096, device="cuda", generator=gen).to(torch.bfloat16) * 0.5
         r = moe_decode_ref(x.float(), index, weight, gu, down, 7.0)
         y32 = moe_decode(x.float(), index, weight, gu, down, 7.0)
-        assert _rel(y32, r) <= (NVFP4_TOL if fmt == "nvfp4" else 1e-5), (fmt, t, _rel(y32, r))
+        tol = NVFP4_TOL if fmt in ("nvfp4", "fp8") else 1e-5  # the fp16x2 paths (default for both)
+        assert _rel(y32, r) <= tol, (fmt, t, _rel(y32, r))
         cfg = dataclasses.replace(default_moe_config(fmt, t, 8, 288, 1280, 4096), group="triton")
         yt = moe_decode(x.float(), index, weight, gu, down, 7.0, config=cfg)
-        assert _rel(yt, r) <= (NVFP4_TOL if fmt == "nvfp4" else 1e-5), (fmt, t, "triton grouping")
+        assert _rel(yt, r) <= tol, (fmt, t, "triton grouping")
         y = moe_decode(x, index, weight, gu, down, 7.0)
         assert y.dtype == torch.bfloat16 and _rel(y, r) <= 1e-2, (fmt, t, _rel(y, r))
 

@@ -110,6 +110,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("memra bench decode needs a CUDA GPU")
     dev = torch.device("cuda")
+    MoE.overlap_shared = not getattr(a, "no_shared_overlap", False)
     batches = [int(b) for b in a.batches.split(",")]
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -177,6 +178,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format, "mtp": a.mtp,
         "attention_weights": a.attention_weights, "fp8_attention_accuracy": accuracy,
+        "shared_expert_overlap": MoE.overlap_shared,
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
         "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
@@ -399,6 +401,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-weights", default="bf16", choices=["bf16", "fp8"],
                    help="attention projections: bf16, or requantized to FP8 block 128x128 (then the bench also "
                         "reports the logits' agreement with bf16 over 256 tokens)")
+    p.add_argument("--no-shared-overlap", action="store_true",
+                   help="run the shared expert on the main stream (default: a second stream, MoE.overlap_shared)")
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
                    help="forced accepted lengths (tokens per sequence per step, bonus included)")

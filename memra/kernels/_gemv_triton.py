@@ -126,14 +126,14 @@ mov.b32 $0, f0;
 
 
 @triton.jit
-def _h2_pair(x_ptr, t, T, kk, k_hi, xs, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    # fp16x2 bits (int32) of (x[t, kk] * xs, x[t, kk + 4] * xs): low half = x[t, kk]
+def _h2_pair(x_ptr, t, T, kk, k_hi, xs, ASM: tl.constexpr, EVEN_K: tl.constexpr, STEP: tl.constexpr = 4):
+    # fp16x2 bits (int32) of (x[t, kk] * xs, x[t, kk + STEP] * xs): low half = x[t, kk]
     if EVEN_K:
         a = tl.load(x_ptr + kk, mask=t < T, other=0.0).to(tl.float32) * xs
-        b = tl.load(x_ptr + kk + 4, mask=t < T, other=0.0).to(tl.float32) * xs
+        b = tl.load(x_ptr + kk + STEP, mask=t < T, other=0.0).to(tl.float32) * xs
     else:
         a = tl.load(x_ptr + kk, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32) * xs
-        b = tl.load(x_ptr + kk + 4, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32) * xs
+        b = tl.load(x_ptr + kk + STEP, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32) * xs
     if ASM:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [a, b],
                                          dtype=tl.int32, is_pure=True, pack=1)
@@ -180,18 +180,27 @@ def _h2_dot(q, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 
 
 @triton.jit
-def _h2_xscale(x_ptr, t, T, k_lo, k_hi, BK: tl.constexpr):
-    """Power of two xs with max |x[t, k_lo:k_hi]| * xs in [2^14, 2^15) (fp16 range with room for
-    16 products of |E2M1 * 2^-14| <= 6 * 2^-14), and 2^22 / xs (2^22: the UE4M3 scale factor of _tile)."""
+def _pow2_xscale(x_ptr, t, T, k_lo, k_hi, BK: tl.constexpr, TOP: tl.constexpr):
+    """Power of two xs with max |x[t, k_lo:k_hi]| * xs in [2^(TOP-1), 2^TOP) (x = 0: xs = 2^(TOP-1)
+    * 2^(127-TOP)), and 1 / xs; both exact powers of two (fp32 bits built from max |x|'s exponent e,
+    clamped to [TOP, 254] so that both stay normal)."""
     m = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         m = tl.maximum(m, tl.abs(tl.load(x_ptr + kk, mask=(kk < k_hi) & (t < T), other=0.0).to(tl.float32)))
     e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(e, 15), 254)
-    xs = ((268 - e) << 23).to(tl.float32, bitcast=True)
-    xinv = ((e - 14) << 23).to(tl.float32, bitcast=True) * 4194304.0  # 2^22: see s2 in _tile
+    e = tl.minimum(tl.maximum(e, TOP), 254)
+    xs = ((253 - e + TOP) << 23).to(tl.float32, bitcast=True)
+    xinv = ((e + (1 - TOP)) << 23).to(tl.float32, bitcast=True)
     return xs, xinv
+
+
+@triton.jit
+def _h2_xscale(x_ptr, t, T, k_lo, k_hi, BK: tl.constexpr):
+    """Power of two xs with max |x[t, k_lo:k_hi]| * xs in [2^14, 2^15) (fp16 range with room for
+    16 products of |E2M1 * 2^-14| <= 6 * 2^-14), and 2^22 / xs (2^22: the UE4M3 scale factor of _tile)."""
+    xs, xinv = _pow2_xscale(x_ptr, t, T, k_lo, k_hi, BK, 15)
+    return xs, xinv * 4194304.0  # 2^22: see s2 in _tile
 
 
 @triton.jit
@@ -224,6 +233,107 @@ def _h2_col(acc, q, s2, x_ptr, t, T, k0, k_hi, xs, G: tl.constexpr, ASM: tl.cons
     x6 = _h2_pair(x_ptr, t, T, kk + 10, k_hi, xs, ASM, EVEN_K)
     x7 = _h2_pair(x_ptr, t, T, kk + 11, k_hi, xs, ASM, EVEN_K)
     return acc + _h2_dot(q, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s2
+
+
+# fp16x2 path for FP8 (E4M3) codes: one 16-byte unit = 16 codes (two 8-byte words, element e in
+# byte e). cvt.rn.f16x2.e4m3x2 turns two codes into two fp16 values exactly (E4M3 is a subset of
+# fp16); each is multiplied with the matching fp16x2 pair of the scaled activations (x_2i, x_2i+1),
+# the 8 HFMA2 of a unit summed in fp16 (each half: 8 products), then the two halves in fp32.
+# $0: fp32 result bits; $1, $2: the unit's two words; $3..$10: x pairs i = 0..7.
+_FP8_H2_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, w, acc;
+.reg .b16 c0, c1, c2, c3;
+.reg .f32 f0, f1;
+mov.b64 {lo, hi}, $1;
+mov.b32 {c0, c1}, lo;
+mov.b32 {c2, c3}, hi;
+cvt.rn.f16x2.e4m3x2 w, c0;
+mul.rn.f16x2 acc, w, $3;
+cvt.rn.f16x2.e4m3x2 w, c1;
+fma.rn.f16x2 acc, w, $4, acc;
+cvt.rn.f16x2.e4m3x2 w, c2;
+fma.rn.f16x2 acc, w, $5, acc;
+cvt.rn.f16x2.e4m3x2 w, c3;
+fma.rn.f16x2 acc, w, $6, acc;
+mov.b64 {lo, hi}, $2;
+mov.b32 {c0, c1}, lo;
+mov.b32 {c2, c3}, hi;
+cvt.rn.f16x2.e4m3x2 w, c0;
+fma.rn.f16x2 acc, w, $7, acc;
+cvt.rn.f16x2.e4m3x2 w, c1;
+fma.rn.f16x2 acc, w, $8, acc;
+cvt.rn.f16x2.e4m3x2 w, c2;
+fma.rn.f16x2 acc, w, $9, acc;
+cvt.rn.f16x2.e4m3x2 w, c3;
+fma.rn.f16x2 acc, w, $10, acc;
+mov.b32 {c0, c1}, acc;
+cvt.f32.f16 f0, c0;
+cvt.f32.f16 f1, c1;
+add.f32 f0, f0, f1;
+mov.b32 $0, f0;
+}
+""")
+
+#: the x scale of the FP8 fp16x2 path: max |x| * xs in [2^3, 2^4), so that a half's 8 products
+#: (|E4M3| <= 448) sum to < 8 * 448 * 16 = 57344 < 65504 (fp16 max)
+_F8_TOP = tl.constexpr(4)
+
+
+@triton.jit
+def _e4m3_f32(b):
+    # E4M3 (fn) code (int32 0..255) -> fp32 value, exactly (interpreter form of cvt.rn.f16x2.e4m3x2)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    v = tl.where(e == 0, m * 0.001953125, ((e + 120) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True))
+    v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _f8_word(q, xa, xb, xc, xd):
+    # interpreter form: sum of the 8 products of word q's codes with 4 x pairs, in fp32
+    p = _e4m3_f32((q & 0xFF).to(tl.int32)) * _h2_x(xa, 0) + _e4m3_f32(((q >> 8) & 0xFF).to(tl.int32)) * _h2_x(xa, 1)
+    p += _e4m3_f32(((q >> 16) & 0xFF).to(tl.int32)) * _h2_x(xb, 0) + _e4m3_f32(((q >> 24) & 0xFF).to(tl.int32)) * _h2_x(xb, 1)
+    p += _e4m3_f32(((q >> 32) & 0xFF).to(tl.int32)) * _h2_x(xc, 0) + _e4m3_f32(((q >> 40) & 0xFF).to(tl.int32)) * _h2_x(xc, 1)
+    p += _e4m3_f32(((q >> 48) & 0xFF).to(tl.int32)) * _h2_x(xd, 0) + _e4m3_f32(((q >> 56) & 0xFF).to(tl.int32)) * _h2_x(xd, 1)
+    return p
+
+
+@triton.jit
+def _f8_dot(qa, qb, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """Sum of the 16 products of a unit's codes (words qa, qb: int64) with its 8 x pairs (fp32)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_FP8_H2_ASM, "=r,l,l,r,r,r,r,r,r,r,r", [qa, qb, x0, x1, x2, x3, x4, x5, x6, x7],
+                                         dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:  # same products (exact in fp32), summed in fp32 instead of fp16
+        return _f8_word(qa, x0, x1, x2, x3) + _f8_word(qb, x4, x5, x6, x7)
+
+
+@triton.jit
+def _f8_load(q_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G: tl.constexpr, EVEN_K: tl.constexpr):
+    # FP8 codes of tile [G, BN, 2] (G 16-byte units of rows n3 from column k0, as 8-byte words)
+    kw = tl.multiple_of(k0 // 8, 2 * G) + rw  # k0 is a multiple of BK = 16 G
+    if EVEN_K:  # n3: rows clamped to N - 1 (their sums are not stored): no mask
+        q = tl.load(q_ptr + n3 * stride_wn + kw)
+    else:
+        q = tl.load(q_ptr + n3 * stride_wn + kw, mask=n_ok[None, :, None] & (kw * 8 < k_hi), other=0)
+    return q
+
+
+@triton.jit
+def _f8_col(acc, qa, qb, su, x_ptr, t, T, k0, k_hi, xs, G: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    # acc [G, BN] += (unit sums of column t) * su (each unit's 128x128 block scale, [G, 1])
+    kk = k0 + tl.arange(0, G)[:, None] * 16
+    x0 = _h2_pair(x_ptr, t, T, kk + 0, k_hi, xs, ASM, EVEN_K, 1)
+    x1 = _h2_pair(x_ptr, t, T, kk + 2, k_hi, xs, ASM, EVEN_K, 1)
+    x2 = _h2_pair(x_ptr, t, T, kk + 4, k_hi, xs, ASM, EVEN_K, 1)
+    x3 = _h2_pair(x_ptr, t, T, kk + 6, k_hi, xs, ASM, EVEN_K, 1)
+    x4 = _h2_pair(x_ptr, t, T, kk + 8, k_hi, xs, ASM, EVEN_K, 1)
+    x5 = _h2_pair(x_ptr, t, T, kk + 10, k_hi, xs, ASM, EVEN_K, 1)
+    x6 = _h2_pair(x_ptr, t, T, kk + 12, k_hi, xs, ASM, EVEN_K, 1)
+    x7 = _h2_pair(x_ptr, t, T, kk + 14, k_hi, xs, ASM, EVEN_K, 1)
+    return acc + _f8_dot(qa, qb, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * su
 
 
 @triton.jit
@@ -411,6 +521,51 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
         if BT > 2:
             _put(y_ptr, tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2, 2, T, rn, n_ok, stride_yt, ATOMIC)
             _put(y_ptr, tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3, 3, T, rn, n_ok, stride_yt, ATOMIC)
+    elif FMT == 1 and F16:  # fp8, fp16x2 products per 16-code unit (see _FP8_H2_ASM)
+        xs0, xi0 = _pow2_xscale(x_ptr, 0, T, k_lo, k_hi, 16 * G, _F8_TOP)
+        xs1, xi1 = _pow2_xscale(x_ptr + stride_xt, 1, T, k_lo, k_hi, 16 * G, _F8_TOP)
+        xs2, xi2 = _pow2_xscale(x_ptr + 2 * stride_xt, 2, T, k_lo, k_hi, 16 * G, _F8_TOP)
+        xs3, xi3 = _pow2_xscale(x_ptr + 3 * stride_xt, 3, T, k_lo, k_hi, 16 * G, _F8_TOP)
+        # tile [G, BN, 2]: G units of 16 codes per row, each unit two 8-byte words (one 16-byte load);
+        # a warp's threads spread along K first, so each thread meets the same unit in several rows
+        acc0 = tl.zeros([G, BN], dtype=tl.float32)
+        acc1 = tl.zeros([G, BN], dtype=tl.float32)
+        acc2 = tl.zeros([G, BN], dtype=tl.float32)
+        acc3 = tl.zeros([G, BN], dtype=tl.float32)
+        q_ptr = w_ptr.to(tl.pointer_type(tl.int64))  # stride_wn: in 8-byte words here (host)
+        ru = tl.arange(0, G)
+        rw = ru[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        n3 = tl.minimum(rn, N - 1)[None, :, None]
+        s_row = s_ptr + ((pid_n * BN) // 128) * stride_sn  # BN divides 128: one row block per program
+        if PREFETCH:
+            q = _f8_load(q_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
+        else:
+            q = tl.zeros([G, BN, 2], dtype=tl.int64)
+        for k0 in range(k_lo, k_hi, BK):
+            if PREFETCH:
+                if EVEN_K:
+                    qn = _f8_load(q_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
+                else:
+                    qn = _f8_load(q_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, rw, G, EVEN_K)
+            else:
+                q = _f8_load(q_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G, EVEN_K)
+                qn = q
+            qa, qb = tl.split(q)
+            ku = k0 + ru * 16
+            su = tl.load(s_row + ku // 128, mask=ku < k_hi, other=0.0)[:, None]
+            acc0 = _f8_col(acc0, qa, qb, su, x_ptr, 0, T, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if BT > 1:
+                acc1 = _f8_col(acc1, qa, qb, su, x_ptr + stride_xt, 1, T, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if BT > 2:
+                acc2 = _f8_col(acc2, qa, qb, su, x_ptr + 2 * stride_xt, 2, T, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _f8_col(acc3, qa, qb, su, x_ptr + 3 * stride_xt, 3, T, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+        _put(y_ptr, tl.sum(acc0, axis=0) * xi0, 0, T, rn, n_ok, stride_yt, ATOMIC)
+        if BT > 1:
+            _put(y_ptr, tl.sum(acc1, axis=0) * xi1, 1, T, rn, n_ok, stride_yt, ATOMIC)
+        if BT > 2:
+            _put(y_ptr, tl.sum(acc2, axis=0) * xi2, 2, T, rn, n_ok, stride_yt, ATOMIC)
+            _put(y_ptr, tl.sum(acc3, axis=0) * xi3, 3, T, rn, n_ok, stride_yt, ATOMIC)
     else:
         acc0 = tl.zeros([BN, G], dtype=tl.float32)
         acc1 = tl.zeros([BN, G], dtype=tl.float32)

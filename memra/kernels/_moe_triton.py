@@ -6,7 +6,20 @@ the SwiGLU epilogue and the weighted atomic combine. Imported only when a kernel
 import triton
 import triton.language as tl
 
-from ._gemv_triton import _fma, _h2_col, _h2_load, _h2_xscale, _put, _tile, _ue4m3_raw, _x_group
+from ._gemv_triton import (
+    _F8_TOP,
+    _f8_col,
+    _f8_load,
+    _fma,
+    _h2_col,
+    _h2_load,
+    _h2_xscale,
+    _pow2_xscale,
+    _put,
+    _tile,
+    _ue4m3_raw,
+    _x_group,
+)
 
 
 @triton.jit
@@ -15,7 +28,7 @@ def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
     """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
     (column c0 + i of the slot, masked when >= cnt): four fp32 [BN] vectors (unused ones 0).
-    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 with F16, an int64 pointer: 8-byte words)."""
+    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 or fp8 with F16, an int64 pointer: 8-byte words)."""
     BK: tl.constexpr = G * GS
     if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
         xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
@@ -63,6 +76,52 @@ def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         y1 = tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1
         y2 = tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2
         y3 = tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3
+    elif FMT == 1 and F16:  # fp8, fp16x2 unit sums (as _gemv_kernel's fp8 F16 path)
+        xs0, xi0 = _pow2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        xs1, xi1 = xs0, xi0
+        xs2, xi2 = xs0, xi0
+        xs3, xi3 = xs0, xi0
+        if NC > 1:
+            xs1, xi1 = _pow2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        if NC > 2:
+            xs2, xi2 = _pow2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+            xs3, xi3 = _pow2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        acc0 = tl.zeros([G, BN], dtype=tl.float32)
+        acc1 = tl.zeros([G, BN], dtype=tl.float32)
+        acc2 = tl.zeros([G, BN], dtype=tl.float32)
+        acc3 = tl.zeros([G, BN], dtype=tl.float32)
+        ru = tl.arange(0, G)
+        rw = ru[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        rc = tl.minimum(rn, N - 1)
+        n3 = rc[None, :, None]
+        s_rows = s_ptr + (rc // 128)[None, :] * stride_sn  # a row's 128x128 block row (rows of 2 blocks here)
+        if PREFETCH:
+            q = _f8_load(w_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
+        else:
+            q = tl.zeros([G, BN, 2], dtype=tl.int64)
+        for k0 in range(k_lo, k_hi, BK):
+            if PREFETCH:
+                if EVEN_K:
+                    qn = _f8_load(w_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
+                else:
+                    qn = _f8_load(w_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, rw, G, EVEN_K)
+            else:
+                q = _f8_load(w_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G, EVEN_K)
+                qn = q
+            qa, qb = tl.split(q)
+            ku = (k0 + ru * 16)[:, None]
+            su = tl.load(s_rows + ku // 128, mask=ku < k_hi, other=0.0)
+            acc0 = _f8_col(acc0, qa, qb, su, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if NC > 1:
+                acc1 = _f8_col(acc1, qa, qb, su, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if NC > 2:
+                acc2 = _f8_col(acc2, qa, qb, su, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _f8_col(acc3, qa, qb, su, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+        y0 = tl.sum(acc0, axis=0) * xi0
+        y1 = tl.sum(acc1, axis=0) * xi1
+        y2 = tl.sum(acc2, axis=0) * xi2
+        y3 = tl.sum(acc3, axis=0) * xi3
     else:  # fp32 FMAs on the dequantized tile (as _gemv_kernel's DOT=False path)
         acc0 = tl.zeros([BN, G], dtype=tl.float32)
         acc1 = tl.zeros([BN, G], dtype=tl.float32)
@@ -150,7 +209,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
     cnt = tl.load(sc_ptr + slot)
     cnt = tl.where(e >= 0, cnt, 0)
     e64 = tl.maximum(e, 0).to(tl.int64)
-    if FMT == 2 and F16:
+    if (FMT == 2 or FMT == 1) and F16:
         wb = w_ptr.to(tl.pointer_type(tl.int64)) + e64 * stride_we  # strides in 8-byte words (host)
     else:
         wb = w_ptr + e64 * stride_we
@@ -223,7 +282,7 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
     cnt = tl.load(sc_ptr + slot)
     cnt = tl.where(e >= 0, cnt, 0)
     e64 = tl.maximum(e, 0).to(tl.int64)
-    if FMT == 2 and F16:
+    if (FMT == 2 or FMT == 1) and F16:
         wb = w_ptr.to(tl.pointer_type(tl.int64)) + e64 * stride_we
     else:
         wb = w_ptr + e64 * stride_we

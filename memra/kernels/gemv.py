@@ -43,6 +43,13 @@ small N still fills the 132 SMs. Two inner products:
   the power of two is undone at the end. Error: fp16 rounding of the sub-block sums (measured
   relative error 3-6e-4 of max |y| at the flagship shapes, vs ~1e-7 for the fp32 path); x
   elements below max |x| * 2^-24 of their program's K range are lost to fp16 underflow.
+- ``dot=False, f16=True``, fp8 (T <= 4): fp16x2 products. Each 16-byte unit of 16 codes is
+  converted two codes at a time (``cvt.rn.f16x2.e4m3x2``, exact) and multiplied with fp16x2 pairs
+  of x scaled per program and column by a power of two (max |x| lands in [8, 16), so that 8
+  products of |code| <= 448 stay below the fp16 maximum); 8 HFMA2 sum a unit in fp16
+  (``_FP8_H2_ASM``), the sum goes to fp32, times the unit's 128x128 block scale. About 1.3
+  instructions per weight against ~5 for the fp32 path; error: fp16 rounding of the products and
+  unit sums, as for nvfp4.
 - ``dot=True`` (any T, padded to 16): ``tl.dot`` of x [16, bk] with the dequantized tile on
   tensor cores (bf16 operands). Exact operands for bf16, NVFP4 and FP8 (codes in the dot,
   the 128x128 block scale applied to the fp32 product when ``bk <= 128``); Q8_0 weights
@@ -315,9 +322,10 @@ class GemvConfig:
     along K, ``dot`` (tensor cores, T padded to 16), ``num_warps``, ``num_stages``;
     ``f16``: with ``dot``, both dot operands in fp16 (x is converted in the kernel: exact for
     bf16 x with 2^-14 <= |x| < 65504 or x = 0, rounded below that, inf above: use it only
-    where activations are known to be in range); without ``dot``, nvfp4 only: the fp16x2 path
-    (x scaled by a power of two per program, any finite range; fp16 sums of 16 products,
-    ~5e-4 relative error; ``bk >= 32``); ``library``: bf16 only, call cuBLAS
+    where activations are known to be in range); without ``dot``, nvfp4 and fp8: the fp16x2
+    path (x scaled by a power of two per program, any finite range; fp16 sums of 16 products,
+    ~5e-4 relative error; nvfp4: ``bk >= 32``; fp8: ``bn <= 128``, K a multiple of 16);
+    ``library``: bf16 only, call cuBLAS
     (``torch.mm``) instead of the Triton kernel; ``prefetch``: without ``dot``, load the next
     loop step's weight tile before using the current one (register double buffering)."""
 
@@ -341,6 +349,7 @@ def _sm_count(device: torch.device) -> int:
 def default_config(fmt: str, n: int, k: int, t: int, sm_count: int = 132) -> GemvConfig:
     """A configuration for shapes the tuned table lacks: cuBLAS for bf16 (faster than these
     kernels at most decode shapes); nvfp4 at T <= 2: the fp16x2 path, 64 x 512 with prefetch;
+    fp8 at T <= 2 (K a multiple of 16): the fp16x2 path, 64 x 256 with prefetch;
     else the tile most often fastest in the H200 census (fp8/q8_0 16 x 256 on CUDA cores for
     T <= 2; 32 x 128 tensor-core tiles for T > 2), split along K until there are ~4 programs per SM."""
     if fmt == "bf16":
@@ -348,6 +357,14 @@ def default_config(fmt: str, n: int, k: int, t: int, sm_count: int = 132) -> Gem
     if fmt == "nvfp4" and t <= 2:  # fp16x2 path (f16), 64 x 512 tiles, next tile prefetched
         bk = 512
         while bk > 32 and (bk > k or k % bk):
+            bk //= 2
+        split = 1
+        while -(-n // 64) * split < 4 * sm_count and k // (bk * split * 2) >= 2 and split < 8:
+            split *= 2
+        return GemvConfig(64, bk, split, False, 4, 2, f16=True, prefetch=True)
+    if fmt == "fp8" and t <= 2 and k % 16 == 0:  # fp16x2 path, 64 x 256 tiles, next tile prefetched
+        bk = 256
+        while bk > 16 and (bk > k or k % bk):
             bk //= 2
         split = 1
         while -(-n // 64) * split < 4 * sm_count and k // (bk * split * 2) >= 2 and split < 8:
@@ -415,6 +432,9 @@ def _validate_config(cfg: GemvConfig, fmt: str) -> None:
         raise ValueError(f"GemvConfig: dot=True needs bn, bk >= 16, got {cfg.bn}, {cfg.bk}")
     if fmt == "nvfp4" and cfg.f16 and not cfg.dot and cfg.bk < 32:
         raise ValueError(f"GemvConfig: nvfp4 with f16 and dot=False needs bk >= 32, got {cfg.bk}")
+    if fmt == "fp8" and cfg.f16 and not cfg.dot and cfg.bn > 128:
+        raise ValueError(f"GemvConfig: fp8 with f16 and dot=False needs bn <= 128 (one 128-row scale block "
+                         f"per program), got {cfg.bn}")
 
 
 def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = torch.float32,
@@ -472,6 +492,11 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
     stride_w = w.data.stride(0)
     if w.fmt == "nvfp4" and cfg.f16 and not cfg.dot:
         stride_w //= 8  # the fp16x2 path reads the codes as 8-byte words (K/2 is a multiple of 32)
+    if w.fmt == "fp8" and cfg.f16 and not cfg.dot:
+        if k % 16 or stride_w % 16:
+            raise ValueError(f"decode_linear({w.name!r}): the fp8 fp16x2 path reads 16-code units; K = {k} and the "
+                             f"row stride {stride_w} must be multiples of 16 (use f16=False)")
+        stride_w //= 8  # codes read as 8-byte words
     grid = (-(-n // cfg.bn), split)
     _kernel()[grid](
         x, w.data, s, y, t, n, k, k_per_split,

@@ -451,7 +451,8 @@ class MoeDecodeConfig:
     gate+up kernel: ``ba`` act columns per program (2 * ba weight rows), ``bk1`` columns of D
     per loop step, ``nc`` tokens per chunk (1, 2 or 4; chunks of 2 and 1 finish a slot).
     down kernel: ``bn`` rows of D per program, ``bk2`` columns of I per step, ``split_k``.
-    ``f16``: fp16x2 path for nvfp4 (ignored for other formats); ``prefetch``: next weight tile
+    ``f16``: fp16x2 path for nvfp4 and fp8 (memra/kernels/gemv.py; fp8 needs D and I multiples
+    of 16; ignored for other formats); ``prefetch``: next weight tile
     loaded before the current one is used; ``num_warps`` for both kernels; ``group``: how the
     pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
     the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels);
@@ -481,11 +482,15 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
     rows) x 512 per gate+up program and 64 rows x 256 per down program with prefetch (197 / 80
     registers); at T >= 2 chunks of up to 2 tokens and no prefetch (188 / 124 registers, no
     spills: with prefetch or 4-token chunks these tiles spill and ran 14 % slower at T = 2).
-    Other formats: fp32 FMAs on 8 act columns (16 rows) x 256 and 16 rows x 256, as gemv's
+    fp8 (D, I multiples of 16): the fp16x2 path with the same tile rows and bytes per loop step
+    (64 rows x 256 codes for gate+up). Other formats: fp32 FMAs on 8 act columns (16 rows) x 256 and 16 rows x 256, as gemv's
     CUDA-core defaults, chunks of up to 4 tokens."""
     if fmt == "nvfp4":
         nc = 1 if t == 1 else 2
         ba, bk1, bn, bk2, pf = 32, 512, 64, 256, t == 1
+    elif fmt == "fp8" and d % 16 == 0 and i % 16 == 0:  # fp16x2 path: the same bytes per tile row as nvfp4
+        nc = 1 if t == 1 else 2
+        ba, bk1, bn, bk2, pf = 32, 256, 64, 256, t == 1
     else:
         nc = 1 if t == 1 else (2 if t == 2 else 4)
         ba, bk1, bn, bk2, pf = 8, 256, 16, 256, True
@@ -497,7 +502,8 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
         bk1, bk2 = max(bk1, 32), max(bk2, 32)
     while ba > 1 and ba > i:
         ba //= 2
-    return MoeDecodeConfig(ba=ba, bk1=bk1, nc=nc, bn=bn, bk2=bk2, split_k=1, f16=True, prefetch=pf)
+    f16 = fmt == "nvfp4" or (fmt == "fp8" and d % 16 == 0 and i % 16 == 0)
+    return MoeDecodeConfig(ba=ba, bk1=bk1, nc=nc, bn=bn, bk2=bk2, split_k=1, f16=f16, prefetch=pf)
 
 
 def _kernels():
@@ -574,7 +580,11 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
     has_limit = limit is not None
     lim = float(limit) if has_limit else 0.0
 
-    h2a = gate_up.fmt == "nvfp4" and cfg.f16
+    for b, kk in ((gate_up, d), (down, i)):
+        if b.fmt == "fp8" and cfg.f16 and (kk % 16 or b.data.stride(1) % 16):
+            raise ValueError(f"moe_decode: the fp8 fp16x2 path (f16=True) reads 16-code units; K = {kk} and the row "
+                             f"stride {b.data.stride(1)} must be multiples of 16 (use f16=False)")
+    h2a = gate_up.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(gate_up, h2a)
     bk1 = cfg.bk1
     k1[(-(-i // cfg.ba), s)](
@@ -584,7 +594,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
         HAS_LIMIT=has_limit, num_warps=cfg.num_warps)
 
-    h2b = down.fmt == "nvfp4" and cfg.f16
+    h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
     bk2 = cfg.bk2
     steps = -(-i // bk2)

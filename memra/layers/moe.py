@@ -18,7 +18,8 @@ How it runs is chosen here, per call:
   step) for T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMMs of
   memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
   tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
-  includes the shared expert's output (``add``).
+  includes the shared expert's output (``add``), which runs on a second CUDA stream while the
+  router and the routed experts run (:attr:`MoE.overlap_shared`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ class RoutedExperts(KernelLayer):
         return out if add is None else out + add
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for the shared expert (created on first use)."""
+    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class MoE(KernelLayer):
     """Sigmoid-routed top-k experts plus an unscaled shared expert (module docstring).
 
@@ -168,6 +180,12 @@ class MoE(KernelLayer):
         top_k: experts per token; scaling: ``moe_router_scaling_factor`` (routed only).
     forward(h2 [T, D]) -> [T, D].
     """
+
+    #: GPU: the shared expert runs on a second CUDA stream, concurrently with the router and the
+    #: routed experts (same kernels, same results; captured into CUDA graphs as a fork and a join).
+    #: Both are memory-bound and the routed GEMV kernels leave DRAM bandwidth idle (NOTES.md).
+    #: False: everything on the current stream (``memra bench decode --no-shared-overlap``).
+    overlap_shared: bool = True
 
     def __init__(self, router: torch.Tensor, bias: torch.Tensor | None, experts: RoutedExperts,
                  shared: GatedMLP | None, top_k: int, scaling: float):
@@ -183,6 +201,19 @@ class MoE(KernelLayer):
         return router_topk_ref(h.float() @ self.router.t(), self.bias, self.top_k, self.scaling)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels and self.shared is not None and self.overlap_shared and h.is_cuda:
+            # fork: the shared expert on a side stream, the router on this one; join before the
+            # routed experts, which add the shared expert's output (``add``). The side stream's
+            # buffers are safe without record_stream: every later use of that stream starts behind
+            # another fork (it waits for this stream), and this stream waits for it here.
+            main = torch.cuda.current_stream(h.device)
+            side = _side_stream(h.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared(h)
+            index, weight = self.route(h)
+            main.wait_stream(side)
+            return self.experts(h, index, weight, shared)
         index, weight = self.route(h)
         if self.kernels:  # the routed experts accumulate onto the shared expert's output
             return self.experts(h, index, weight, None if self.shared is None else self.shared(h))
