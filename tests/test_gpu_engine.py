@@ -707,3 +707,58 @@ def test_tiny_step_greedy_is_batch_invariant_on_gpu(tmp_path):
                 for i, (u, v) in enumerate(zip(alone, together)) if u != v]
     print(f"\nbatch 1 vs batch 16: {len(diverged)} of 16 prompts differ (prompt, first token): {diverged}")
     assert not diverged
+
+
+@pytest.mark.gpu
+def test_shared_expert_overlap_is_bit_identical():
+    """``MoE.overlap_shared`` (the shared expert on a second CUDA stream) runs the same kernels in
+    another order: a MoE layer's output, eager and replayed from a CUDA graph captured with the
+    fork and join, and the whole model's logits, must equal the one-stream order bit for bit."""
+    from memra.io.synthetic import build_gpu_model
+    from memra.layers.moe import MoE
+
+    model = build_gpu_model("tiny", 3, "cuda", "nvfp4")
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    assert moe.shared is not None
+    g = torch.Generator(device="cuda").manual_seed(4)
+    d = model.config.hidden_size
+    try:
+        for t in (1, 4, 40):
+            h = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+            moe.overlap_shared = False
+            serial = moe(h)
+            moe.overlap_shared = True
+            assert torch.equal(moe(h), serial), t
+            static_h, graph = h.clone(), torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                moe(static_h)  # warm-up off the capture stream
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(graph):
+                static_out = moe(static_h)
+            for _ in range(2):
+                h2 = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+                static_h.copy_(h2)
+                graph.replay()
+                moe.overlap_shared = False
+                want = moe(h2)
+                moe.overlap_shared = True
+                torch.cuda.synchronize()
+                assert torch.equal(static_out, want), t
+            del graph
+        moe.__dict__.pop("overlap_shared", None)  # the class attribute decides again, for every layer
+        ids = torch.randint(3, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(5)).cuda()
+
+        def logits():
+            with torch.inference_mode():
+                kv = ContiguousKVCache(model.config, 64, torch.bfloat16, "cuda")
+                return model.logits(model(ids, torch.arange(64, device="cuda"), kv))
+
+        MoE.overlap_shared = True
+        with_overlap = logits()
+        MoE.overlap_shared = False
+        assert torch.equal(with_overlap, logits())
+    finally:
+        MoE.overlap_shared = False
+        moe.__dict__.pop("overlap_shared", None)

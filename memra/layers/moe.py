@@ -18,8 +18,8 @@ How it runs is chosen here, per call:
   step) for T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMMs of
   memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
   tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
-  includes the shared expert's output (``add``), which runs on a second CUDA stream while the
-  router and the routed experts run (:attr:`MoE.overlap_shared`).
+  includes the shared expert's output (``add``), which can run on a second CUDA stream while the
+  router and the routed experts run (:attr:`MoE.overlap_shared`, opt-in).
 """
 
 from __future__ import annotations
@@ -181,11 +181,13 @@ class MoE(KernelLayer):
     forward(h2 [T, D]) -> [T, D].
     """
 
-    #: GPU: the shared expert runs on a second CUDA stream, concurrently with the router and the
-    #: routed experts (same kernels, same results; captured into CUDA graphs as a fork and a join).
-    #: Both are memory-bound and the routed GEMV kernels leave DRAM bandwidth idle (NOTES.md).
-    #: False: everything on the current stream (``memra bench decode --no-shared-overlap``).
-    overlap_shared: bool = True
+    #: GPU, opt-in: the shared expert on a second CUDA stream, concurrently with the router and the
+    #: routed experts (same kernels; captured into CUDA graphs as a fork and a join). Both are
+    #: memory-bound and the routed GEMV kernels leave DRAM bandwidth idle: measured on the H200 (flagship
+    #: decode step, ``memra bench decode --shared-overlap``) 6.867 -> 6.688 ms at batch 1, 31.54 -> 31.20
+    #: at 64. Off by default until tests/test_gpu_engine.py's overlap test (bit-identical to the serial
+    #: order, eager and in a CUDA graph) has run on a GPU.
+    overlap_shared: bool = False
 
     def __init__(self, router: torch.Tensor, bias: torch.Tensor | None, experts: RoutedExperts,
                  shared: GatedMLP | None, top_k: int, scaling: float):
