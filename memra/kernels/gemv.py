@@ -354,17 +354,10 @@ def default_config(fmt: str, n: int, k: int, t: int, sm_count: int = 132) -> Gem
     T <= 2; 32 x 128 tensor-core tiles for T > 2), split along K until there are ~4 programs per SM."""
     if fmt == "bf16":
         return GemvConfig(16, 128, 1, True, library=True)
-    if fmt == "nvfp4" and t <= 2:  # fp16x2 path (f16), 64 x 512 tiles, next tile prefetched
-        bk = 512
-        while bk > 32 and (bk > k or k % bk):
-            bk //= 2
-        split = 1
-        while -(-n // 64) * split < 4 * sm_count and k // (bk * split * 2) >= 2 and split < 8:
-            split *= 2
-        return GemvConfig(64, bk, split, False, 4, 2, f16=True, prefetch=True)
-    if fmt == "fp8" and t <= 2 and k % 16 == 0:  # fp16x2 path, 64 x 256 tiles, next tile prefetched
-        bk = 256
-        while bk > 16 and (bk > k or k % bk):
+    if t <= 2 and (fmt == "nvfp4" or (fmt == "fp8" and k % 16 == 0)):
+        # fp16x2 path (f16), 64 rows x (512 nvfp4 / 256 fp8) columns, next tile prefetched
+        bk, bk_min = (512, 32) if fmt == "nvfp4" else (256, 16)
+        while bk > bk_min and (bk > k or k % bk):
             bk //= 2
         split = 1
         while -(-n // 64) * split < 4 * sm_count and k // (bk * split * 2) >= 2 and split < 8:
