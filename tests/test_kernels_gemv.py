@@ -211,6 +211,22 @@ def test_fp8_f16_row_blocks_codes_and_range():
         decode_linear(torch.randn(1, k).to(xdt).to(_DEV), w, config=GemvConfig(256, 64, 1, False, f16=True))
 
 
+def test_tuner_candidates_are_distinct_and_cover_each_path():
+    """``memra bench census --tune`` candidates: no configuration twice; the fp16x2 tiles for fp8 up to
+    4 columns next to the fp32-FMA tiles (T <= 4) and the tensor-core tiles (T > 2); none above 4."""
+    from memra.bench.census import _candidates
+
+    for fmt in ("bf16", "fp8", "nvfp4", "q8_0"):
+        for t in (1, 2, 4, 8, 16):
+            c = _candidates(fmt, t)
+            assert len(c) == len(set(c)), (fmt, t)
+            fma = [x for x in c if not x.dot and not x.f16 and not x.library]
+            f16 = [x for x in c if x.f16 and not x.dot]
+            assert bool(fma) == (t <= 4), (fmt, t)
+            assert bool(f16) == ((fmt == "fp8" and t <= 4) or (fmt == "nvfp4" and t <= 2)), (fmt, t)
+            assert any(x.dot and not x.library for x in c) == (t > 2), (fmt, t)
+
+
 def test_kernel_out_dtype_and_out_buffer():
     w = _weights(24, 128, seed=5)["q8_0"].to(_DEV)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(_DEV)
@@ -262,3 +278,26 @@ def test_gpu_real_shapes(fmt, n, k):
         assert rel < 5e-3, (fmt, n, k, t, rel)  # bf16 rounding of code * scale in the dot path at most
         yb = decode_linear(x, w, out_dtype=torch.bfloat16)
         assert float((yb.float() - yr).abs().max() / yr.abs().max()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_f16_at_the_fp16_bound():
+    """The fp8 fp16x2 path at its overflow bound: every code +-448 (0x7E / 0xFE) and every x equal,
+    at the top of its binade ((2 - 2^-22) 2^j, which the power-of-two scale brings to 16 - 2^-19 and
+    fp16 rounds to 16): each fp16 half sums 8 products of 7168 to exactly +-57344 (fp16 max 65504).
+    Any larger scale or more products per half would overflow to inf here."""
+    n, k = 256, 4096
+    sign = (torch.arange(n) % 2).to(torch.uint8)[:, None] * 0x80
+    codes = (torch.full((n, k), 0x7E, dtype=torch.uint8) | sign).view(torch.float8_e4m3fn)
+    scale = torch.full((2, 32), 2.0**-10)
+    w = DecodeWeight("fp8", n, k, codes, scale, "bound").to("cuda")
+    for j in (-20, 0, 20):
+        x = torch.full((2, k), (2 - 2.0**-22) * 2.0**j)
+        yr = x @ dequantize_packed(w).cpu().T
+        for cfg in (GemvConfig(64, 256, 1, False, f16=True, prefetch=True), GemvConfig(32, 512, 4, False, f16=True)):
+            y = decode_linear(x.to(torch.bfloat16).cuda(), w, config=cfg).cpu()
+            xb = x.to(torch.bfloat16).float()
+            yb = xb @ dequantize_packed(w).cpu().T
+            assert torch.isfinite(y).all(), (j, cfg)
+            assert float((y - yb).abs().max() / yb.abs().max()) < 1e-3, (j, cfg, float((y - yr).abs().max()))

@@ -106,13 +106,13 @@ def _candidates(fmt: str, t: int):
     elif t <= 2:
         out += [GemvConfig(bn, bk, s, False, nw, 2, prefetch=pf) for bn, bk, nw in fma for s in (1, 2, 4, 8)
                 for pf in (False, True)]
+    elif t <= 4:
+        out += [GemvConfig(bn, bk, s, False, nw, 2, prefetch=pf) for bn, bk, nw in fma[:2] for s in (1, 4)
+                for pf in (False, True)]
     if t <= 4 and fmt == "fp8":  # fp16x2 unit sums (f16): 64-128 rows x 256 codes, next tile prefetched
         out += [GemvConfig(bn, bk, s, False, nw, 2, f16=True, prefetch=pf) for bn, bk, nw, pf in
                 [(64, 256, 4, True), (128, 128, 4, True), (128, 256, 8, True), (32, 512, 4, True), (64, 256, 4, False),
                  (32, 256, 4, False)] for s in (1, 2, 4)]
-    elif t <= 4:
-        out += [GemvConfig(bn, bk, s, False, nw, 2, prefetch=pf) for bn, bk, nw in fma[:2] for s in (1, 4)
-                for pf in (False, True)]
     out += [GemvConfig(bn, bk, s, True, nw, st) for bn, bk, nw, st in dot for s in (1, 2, 4)] if t > 2 else []
     if fmt == "bf16":
         out.append(GemvConfig(16, 128, 1, True, 4, 2, library=True))

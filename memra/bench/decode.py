@@ -402,7 +402,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="attention projections: bf16, or requantized to FP8 block 128x128 (then the bench also "
                         "reports the logits' agreement with bf16 over 256 tokens)")
     p.add_argument("--shared-overlap", action="store_true",
-                   help="run the shared expert on a second CUDA stream beside the router and routed experts "
+                   help="run the shared expert on a second CUDA stream beside the router "
                         "(MoE.overlap_shared; default: one stream)")
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],

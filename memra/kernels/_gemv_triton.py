@@ -275,8 +275,8 @@ mov.b32 $0, f0;
 }
 """)
 
-#: the x scale of the FP8 fp16x2 path: max |x| * xs in [2^3, 2^4), so that a half's 8 products
-#: (|E4M3| <= 448) sum to < 8 * 448 * 16 = 57344 < 65504 (fp16 max)
+#: the x scale of the FP8 fp16x2 path: max |x| * xs in [2^3, 2^4) (it may round up to 16 in fp16), so
+#: that a half's 8 products (|E4M3| <= 448) sum to at most 8 * 448 * 16 = 57344 < 65504 (fp16 max)
 _F8_TOP = tl.constexpr(4)
 
 

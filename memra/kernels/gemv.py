@@ -486,9 +486,9 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
     if w.fmt == "nvfp4" and cfg.f16 and not cfg.dot:
         stride_w //= 8  # the fp16x2 path reads the codes as 8-byte words (K/2 is a multiple of 32)
     if w.fmt == "fp8" and cfg.f16 and not cfg.dot:
-        if k % 16 or stride_w % 16:
-            raise ValueError(f"decode_linear({w.name!r}): the fp8 fp16x2 path reads 16-code units; K = {k} and the "
-                             f"row stride {stride_w} must be multiples of 16 (use f16=False)")
+        if k % 16:  # (DecodeWeight rows are contiguous: the row stride is K)
+            raise ValueError(f"decode_linear({w.name!r}): the fp8 fp16x2 path reads 16-code units; K = {k} must be "
+                             f"a multiple of 16 (use f16=False)")
         stride_w //= 8  # codes read as 8-byte words
     grid = (-(-n // cfg.bn), split)
     _kernel()[grid](

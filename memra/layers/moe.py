@@ -181,9 +181,10 @@ class MoE(KernelLayer):
     forward(h2 [T, D]) -> [T, D].
     """
 
-    #: GPU, opt-in: the shared expert on a second CUDA stream, concurrently with the router and the
-    #: routed experts (same kernels; captured into CUDA graphs as a fork and a join). Both are
-    #: memory-bound and the routed GEMV kernels leave DRAM bandwidth idle: measured on the H200 (flagship
+    #: GPU, opt-in: the shared expert on a second CUDA stream, concurrently with the router (same
+    #: kernels; captured into CUDA graphs as a fork and a join before the routed experts, whose combine
+    #: adds its output; joining later, inside moe_decode before the combine, would also overlap the
+    #: routed GEMVs: not built). Measured on the H200 (flagship
     #: decode step, ``memra bench decode --shared-overlap``) 6.867 -> 6.688 ms at batch 1, 31.54 -> 31.20
     #: at 64. Off by default until tests/test_gpu_engine.py's overlap test (bit-identical to the serial
     #: order, eager and in a CUDA graph) has run on a GPU.
