@@ -284,20 +284,20 @@ def test_gpu_real_shapes(fmt, n, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fp8_f16_at_the_fp16_bound():
     """The fp8 fp16x2 path at its overflow bound: every code +-448 (0x7E / 0xFE) and every x equal,
-    at the top of its binade ((2 - 2^-22) 2^j, which the power-of-two scale brings to 16 - 2^-19 and
-    fp16 rounds to 16): each fp16 half sums 8 products of 7168 to exactly +-57344 (fp16 max 65504).
-    Any larger scale or more products per half would overflow to inf here."""
+    at the top of its binade. fp32 x = (2 - 2^-22) 2^j: the power-of-two scale brings it to
+    16 - 2^-19, which fp16 rounds to 16, so each fp16 half sums 8 products of 7168 to exactly
+    +-57344 (fp16 max 65504); bf16 x = (2 - 2^-7) 2^j: 15.9375 (exact), halves of 57120. Any larger
+    scale or more products per half would overflow to inf here."""
     n, k = 256, 4096
     sign = (torch.arange(n) % 2).to(torch.uint8)[:, None] * 0x80
     codes = (torch.full((n, k), 0x7E, dtype=torch.uint8) | sign).view(torch.float8_e4m3fn)
-    scale = torch.full((2, 32), 2.0**-10)
-    w = DecodeWeight("fp8", n, k, codes, scale, "bound").to("cuda")
-    for j in (-20, 0, 20):
-        x = torch.full((2, k), (2 - 2.0**-22) * 2.0**j)
-        yr = x @ dequantize_packed(w).cpu().T
-        for cfg in (GemvConfig(64, 256, 1, False, f16=True, prefetch=True), GemvConfig(32, 512, 4, False, f16=True)):
-            y = decode_linear(x.to(torch.bfloat16).cuda(), w, config=cfg).cpu()
-            xb = x.to(torch.bfloat16).float()
-            yb = xb @ dequantize_packed(w).cpu().T
-            assert torch.isfinite(y).all(), (j, cfg)
-            assert float((y - yb).abs().max() / yb.abs().max()) < 1e-3, (j, cfg, float((y - yr).abs().max()))
+    w = DecodeWeight("fp8", n, k, codes, torch.full((2, 32), 2.0**-10), "bound").to("cuda")
+    wd = dequantize_packed(w).cpu()
+    for dt, top in ((torch.float32, 2 - 2.0**-22), (torch.bfloat16, 2 - 2.0**-7)):
+        for j in (-20, 0, 20):
+            x = torch.full((2, k), top * 2.0**j).to(dt)
+            yr = x.float() @ wd.T
+            for cfg in (GemvConfig(64, 256, 1, False, f16=True, prefetch=True), GemvConfig(32, 512, 4, False, f16=True)):
+                y = decode_linear(x.cuda(), w, config=cfg).cpu()
+                assert torch.isfinite(y).all(), (dt, j, cfg)
+                assert float((y - yr).abs().max() / yr.abs().max()) < 1e-3, (dt, j, cfg)
