@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from memra.bench.common import FLAGSHIP, copy_bandwidth, random_moe
+from memra.bench.common import FLAGSHIP, copy_bandwidth, expected_distinct, random_moe
 from memra.bench.moe_census import moe_config_sweep
 from memra.kernels.moe_decode import MoeDecodeConfig, default_moe_config
 
@@ -34,8 +34,7 @@ def main() -> None:
         cands = [new, old, replace(new, prefetch=not new.prefetch), replace(new, ba=16), replace(new, bk1=512),
                  replace(new, bn=32)]
         res = moe_config_sweep(ts=(t,), fmt="fp8", configs=cands, reps=15, inner=8, routings=8)
-        nd = e * (1 - (1 - k / e) ** t)
-        floor_us = nd * per_expert / bw * 1e6
+        floor_us = expected_distinct(t, e, k) * per_expert / bw * 1e6
         for r, name in zip(res, ["f16 default", "fp32 old default", "f16 prefetch flipped", "f16 ba16", "f16 bk1 512",
                                  "f16 bn32"]):
             r.update(name=name, floor_us=floor_us, pct_floor=100 * floor_us / r["us"] if "us" in r else None)

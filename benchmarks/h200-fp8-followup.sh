@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepared H200 call (memra/kernels/NOTES.md, 2026-12-05): re-tune every FP8 decode shape with the
 # fp16x2 candidates, merge the table, then time the --attention-weights fp8 flagship step with the
-# new table and with the committed one, and the shared-expert overlap A/B. Carry .wheels.
+# new table and with the committed one. Carry .wheels. (The overlap's bit-identity test runs with
+# benchmarks/h200-gpu-tests.sh; its A/B is `memra bench decode` with and without --shared-overlap.)
 # Usage (on the device): bash benchmarks/h200-fp8-followup.sh   (writes under $OUT)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1

@@ -7,17 +7,15 @@ from __future__ import annotations
 import json
 import sys
 
+from memra.bench.census import write_config_table
+
 
 def main() -> None:
     new_path = sys.argv[1]
     base_path = sys.argv[2] if len(sys.argv) > 2 else "memra/kernels/gemv_configs.json"
     base, new = json.load(open(base_path)), json.load(open(new_path))
-    base["configs"].update(new["configs"])
-    base["note"] += f"; {len(new['configs'])} entries merged from: {new['note']}"
-    body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(base["configs"].items()))
-    with open(base_path, "w") as f:
-        f.write(f'{{\n "note": {json.dumps(base["note"])},\n "device": {json.dumps(base["device"])},\n'
-                f' "configs": {{\n{body}\n }}\n}}\n')
+    write_config_table(base_path, base["configs"] | new["configs"], base["device"],
+                       f"{base['note']}; {len(new['configs'])} entries merged from: {new['note']}")
     print(f"merged {len(new['configs'])} entries into {base_path}")
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from memra.bench.common import FLAGSHIP, copy_bandwidth, random_moe
+from memra.bench.common import FLAGSHIP, copy_bandwidth, expected_distinct, random_moe
 from memra.bench.moe_census import moe_config_sweep
 from memra.kernels.moe_decode import default_moe_config
 
@@ -39,7 +39,7 @@ def main() -> None:
                         cands.append(c)
         cands += [replace(base, num_warps=8), replace(base, bn=32), replace(base, prefetch=not base.prefetch)]
         res = moe_config_sweep(ts=(t,), configs=cands, reps=15, inner=8, routings=8)
-        nd = _expected_distinct(t, e, k)
+        nd = expected_distinct(t, e, k)
         floor_us = nd * per_expert / bw * 1e6
         for r in res:
             r["floor_us"] = floor_us
@@ -56,11 +56,6 @@ def main() -> None:
             print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
                   f"{c['bn']:3d} {c['num_warps']:5d} {c['prefetch']}")
     json.dump(dict(copy_tbs=bw / 1e12, per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
-
-
-def _expected_distinct(t: int, e: int, k: int) -> float:
-    """Expected distinct experts among t tokens each choosing k distinct of e uniformly."""
-    return e * (1.0 - (1.0 - k / e) ** t)
 
 
 if __name__ == "__main__":

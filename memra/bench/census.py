@@ -297,14 +297,19 @@ def run_census(a: argparse.Namespace) -> dict:
         rows=rows, baseline=baseline_rows, elapsed_s=time.time() - t_start,
     )
     if a.table_out:
-        items = sorted(table.items())
-        body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in items)
-        Path(a.table_out).write_text(
-            "{\n"
-            f' "note": "tuned by `memra bench census --tune` on {props.name} ({result["date"]}); '
-            'key fmt:N:K:T-bucket (T rounded up to 1, 2, 4, 8, 16)",\n'
-            f' "device": {json.dumps(props.name)},\n "configs": {{\n{body}\n }}\n}}\n')
+        write_config_table(a.table_out, table, props.name,
+                           f"tuned by `memra bench census --tune` on {props.name} ({result['date']}); "
+                           "key fmt:N:K:T-bucket (T rounded up to 1, 2, 4, 8, 16)")
     return result
+
+
+def write_config_table(path: str | Path, configs: dict[str, dict], device: str, note: str) -> None:
+    """Write a launch-configuration table (the form of memra/kernels/gemv_configs.json): ``note``,
+    ``device`` and ``configs`` keyed ``"fmt:N:K:T"`` (sorted, one entry per line, so diffs stay
+    readable)."""
+    body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(configs.items()))
+    Path(path).write_text(f'{{\n "note": {json.dumps(note)},\n "device": {json.dumps(device)},\n'
+                          f' "configs": {{\n{body}\n }}\n}}\n')
 
 
 def print_table(res: dict) -> None:

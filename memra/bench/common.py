@@ -258,6 +258,13 @@ def random_moe(fmt: str, device, seed: int = 0, e: int = 288, d: int = 4096, i: 
     return gu, dn, gen
 
 
+def expected_distinct(t: int, e: int, k: int) -> float:
+    """Expected number of distinct experts among ``t`` tokens that each choose ``k`` distinct of
+    ``e`` experts uniformly at random: ``e * (1 - (1 - k / e) ** t)`` (each expert is missed by a
+    token with probability 1 - k/e, independently across tokens)."""
+    return e * (1.0 - (1.0 - k / e) ** t)
+
+
 def random_routing(t: int, e: int, top_k: int, device, gen: torch.Generator):
     """Uniform random routing on ``device``: (index int64 [t, top_k], distinct experts of
     0..e-1 per row; weight fp32 [t, top_k], > 0, rows summing to 2.5)."""

@@ -19,7 +19,7 @@ How it runs is chosen here, per call:
   memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
   tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
   includes the shared expert's output (``add``), which can run on a second CUDA stream while the
-  router and the routed experts run (:attr:`MoE.overlap_shared`, opt-in).
+  router runs (:attr:`MoE.overlap_shared`, opt-in).
 """
 
 from __future__ import annotations
@@ -204,24 +204,26 @@ class MoE(KernelLayer):
         return router_topk_ref(h.float() @ self.router.t(), self.bias, self.top_k, self.scaling)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.kernels and self.shared is not None and self.overlap_shared and h.is_cuda:
-            # fork: the shared expert on a side stream, the router on this one; join before the
-            # routed experts, which add the shared expert's output (``add``). The side stream's
-            # buffers are safe without record_stream: every later use of that stream starts behind
-            # another fork (it waits for this stream), and this stream waits for it here.
-            main = torch.cuda.current_stream(h.device)
-            side = _side_stream(h.device)
+        if not self.kernels:
+            y = self.experts(h, *self.route(h))
+            return y if self.shared is None else y + self.shared(h)
+        shared = None
+        if self.shared is not None and self.overlap_shared and h.is_cuda:
+            # fork: the shared expert on a side stream while the router runs on this one; join
+            # before the routed experts, which add its output (``add``). The side stream's buffers
+            # are safe without record_stream: every later use of that stream starts behind another
+            # fork (it waits for this stream), and this stream waits for it here.
+            main, side = torch.cuda.current_stream(h.device), _side_stream(h.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared(h)
             index, weight = self.route(h)
             main.wait_stream(side)
-            return self.experts(h, index, weight, shared)
-        index, weight = self.route(h)
-        if self.kernels:  # the routed experts accumulate onto the shared expert's output
-            return self.experts(h, index, weight, None if self.shared is None else self.shared(h))
-        y = self.experts(h, index, weight)
-        return y if self.shared is None else y + self.shared(h)
+        else:
+            index, weight = self.route(h)
+            if self.shared is not None:
+                shared = self.shared(h)
+        return self.experts(h, index, weight, shared)  # the routed experts accumulate onto ``shared``
 
     @property
     def tokens_per_expert(self) -> torch.Tensor | None:
