@@ -21,6 +21,8 @@ from memra.kernels.moe_decode import MoeDecodeConfig, default_moe_config
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fp8-moe-ab.json"
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_moe_ab.py needs a CUDA GPU (it times the FP8 MoE decode kernels)")
     e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
     bw = copy_bandwidth()
     gu, dn, _ = random_moe("fp8", torch.device("cuda"))
