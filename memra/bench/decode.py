@@ -110,7 +110,8 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("memra bench decode needs a CUDA GPU")
     dev = torch.device("cuda")
-    MoE.overlap_shared = bool(getattr(a, "shared_overlap", False))
+    if getattr(a, "shared_overlap", None) is not None:
+        MoE.overlap_shared = a.shared_overlap == "on"
     batches = [int(b) for b in a.batches.split(",")]
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -401,9 +402,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-weights", default="bf16", choices=["bf16", "fp8"],
                    help="attention projections: bf16, or requantized to FP8 block 128x128 (then the bench also "
                         "reports the logits' agreement with bf16 over 256 tokens)")
-    p.add_argument("--shared-overlap", action="store_true",
-                   help="run the shared expert on a second CUDA stream beside the router "
-                        "(MoE.overlap_shared; default: one stream)")
+    p.add_argument("--shared-overlap", choices=["on", "off"], default=None,
+                   help="the shared expert on a second CUDA stream beside the router and the routed experts "
+                        "(MoE.overlap_shared; default: that attribute's default, on)")
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
                    help="forced accepted lengths (tokens per sequence per step, bonus included)")

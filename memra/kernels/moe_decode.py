@@ -509,6 +509,14 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
     return MoeDecodeConfig(ba=ba, bk1=bk1, nc=nc, bn=bn, bk2=bk2, split_k=1, f16=f16, prefetch=pf)
 
 
+def wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
+    """Make the current CUDA stream of ``device`` wait for the work queued so far on ``stream``
+    (a join; a no-op for None). moe_decode / moe_prefill call it just before they first read
+    ``add``, so a producer of ``add`` on another stream overlaps their routed-expert kernels."""
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+
 def _kernels():
     from ._moe_triton import _moe_down_kernel, _moe_gate_up_kernel
 
@@ -517,7 +525,8 @@ def _kernels():
 
 def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
                down: ExpertBank, limit: float | None, out: torch.Tensor | None = None,
-               config: MoeDecodeConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+               config: MoeDecodeConfig | None = None, add: torch.Tensor | None = None,
+               add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: ``y[t] = sum_j weight[t, j] * down_e(swiglu(gate_e x[t], up_e x[t], limit))``,
     ``e = index[t, j]``, each distinct chosen expert's weights read once (module docstring).
 
@@ -565,6 +574,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         raise ValueError(f"moe_decode: add must be [{t}, {d}], got {tuple(add.shape)}")
     atomic = cfg.combine == "atomic"
     if atomic:  # the down kernel accumulates into y32: zeros, or ``add`` (e.g. the shared expert's output)
+        wait_for(add_stream, x.device)
         y32 = torch.zeros(t, d, dtype=torch.float32, device=x.device) if add is None else add.float().contiguous()
         if add is not None and y32.data_ptr() == add.data_ptr():
             y32 = y32.clone()
@@ -613,6 +623,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         from ._moe_prefill_triton import _moe_combine_kernel
 
         y = out if out is not None and out.stride(1) == 1 else torch.empty(t, d, dtype=x.dtype, device=x.device)
+        wait_for(add_stream, x.device)
         a = y32 if add is None else (add if add.stride(1) == 1 else add.contiguous())
         bd = 512
         _moe_combine_kernel[(t, -(-d // bd))](y32, a, y, d, y32.stride(0), a.stride(0), y.stride(0), TOPK=topk,

@@ -86,7 +86,7 @@ from pathlib import Path
 import torch
 
 from .gemv import interpret_mode
-from .moe_decode import ExpertBank, _check_moe_args, _deinterleave, dequantize_expert
+from .moe_decode import ExpertBank, _check_moe_args, _deinterleave, dequantize_expert, wait_for
 
 __all__ = [
     "MoePrefillConfig",
@@ -477,7 +477,7 @@ def _scalar_scale(bank: ExpertBank, block_rows: int) -> bool:
 
 def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
                 down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
-                config: MoePrefillConfig | None = None) -> torch.Tensor:
+                config: MoePrefillConfig | None = None, add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer for many tokens (module docstring): grouped GEMMs over the
     (token, expert) pairs sorted by expert, weights dequantized inside the kernels.
 
@@ -492,6 +492,9 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
         add: optional [T, D] tensor added to the result (e.g. the shared expert's output; not
             modified).
         config: launch parameters (default :func:`default_prefill_config`).
+        add_stream: the CUDA stream that produces ``add``, if not the current one: the current
+            stream waits for it just before ``add`` is first read (after kernel B in the default
+            "sum" combine), as :func:`memra.kernels.moe_decode.moe_decode`.
 
     Returns: y [T, D] in x.dtype. No host syncs; every shape depends only on (T, k, E, D, I,
     config), so moe_align + both kernels can be captured in a CUDA graph (scratch from the
@@ -501,7 +504,7 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
     config (non-power-of-two blocks, block_k not fitting the format's scale groups, the fp8
     recipe with block_n not a multiple of 128 or D, I not multiples of 128).
     """
-    p = prefill_launches(x, index, weight, gate_up, down, limit, add, config)
+    p = prefill_launches(x, index, weight, gate_up, down, limit, add, config, add_stream)
     p["gate_up"]()
     p["down"]()
     return p["out"]
@@ -509,7 +512,7 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
 
 def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
                      down: ExpertBank, limit: float | None, add: torch.Tensor | None = None,
-                     config: MoePrefillConfig | None = None) -> dict:
+                     config: MoePrefillConfig | None = None, add_stream: torch.cuda.Stream | None = None) -> dict:
     """:func:`moe_prefill` as separately callable launches (what it runs, and what
     ``memra bench moe-grouped`` times per projection). Arguments and errors as :func:`moe_prefill`.
 
@@ -596,6 +599,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             if add is None:
                 acc.zero_()
             else:
+                wait_for(add_stream, dev)
                 acc.copy_(add)
         sc, swe, swn, sse, ssn = wargs(down)
         _moe_down_kernel[(num_m * -(-d // bn2),)](
@@ -612,6 +616,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                 y.copy_(acc)
         else:
             bd = 512
+            wait_for(add_stream, dev)
             a = acc if add is None else (add if add.stride(1) == 1 else add.contiguous())
             _moe_combine_kernel[(t, -(-d // bd))](acc, a, y, d, acc.stride(0), a.stride(0), y.stride(0),
                                                    TOPK=topk, BD=bd, HAS_ADD=add is not None, num_warps=4)

@@ -18,8 +18,8 @@ How it runs is chosen here, per call:
   step) for T <= :data:`MOE_DECODE_MAX_T` tokens, by the grouped tensor-core GEMMs of
   memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
   tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
-  includes the shared expert's output (``add``), which can run on a second CUDA stream while the
-  router runs (:attr:`MoE.overlap_shared`, opt-in).
+  includes the shared expert's output (``add``), which runs on a second CUDA stream while the
+  router and the routed experts run (:attr:`MoE.overlap_shared`).
 """
 
 from __future__ import annotations
@@ -133,19 +133,20 @@ class RoutedExperts(KernelLayer):
         return self.kernels
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """Routed experts' sum [T, D] (+ ``add`` [T, D] if given)."""
+                add: torch.Tensor | None = None, add_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Routed experts' sum [T, D] (+ ``add`` [T, D] if given; ``add_stream``: the CUDA stream
+        that produces ``add``, joined just before ``add`` is read, GPU only)."""
         if self.kernels:
             t = x.shape[0]
             if t <= MOE_DECODE_MAX_T:
                 return decode_kernels.moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
-                                                 add=add)
+                                                 add=add, add_stream=add_stream)
             cfg = None
             if t <= prefill_kernels.GROUPED_DECODE_MAX_T:
                 b = self.gate_up_bank
                 cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k, x.dtype)
             return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
-                                               add=add, config=cfg)
+                                               add=add, config=cfg, add_stream=add_stream)
         self.build()
         out = torch.zeros_like(x)
         counts = torch.bincount(index.flatten(), minlength=self.num_experts)
@@ -181,14 +182,13 @@ class MoE(KernelLayer):
     forward(h2 [T, D]) -> [T, D].
     """
 
-    #: GPU, opt-in: the shared expert on a second CUDA stream, concurrently with the router (same
-    #: kernels; captured into CUDA graphs as a fork and a join before the routed experts, whose combine
-    #: adds its output; joining later, inside moe_decode before the combine, would also overlap the
-    #: routed GEMVs: not built). Measured on the H200 (flagship
-    #: decode step, ``memra bench decode --shared-overlap``) 6.867 -> 6.688 ms at batch 1, 31.54 -> 31.20
-    #: at 64. Off by default until tests/test_gpu_engine.py's overlap test (bit-identical to the serial
-    #: order, eager and in a CUDA graph) has run on a GPU.
-    overlap_shared: bool = False
+    #: GPU: the shared expert on a second CUDA stream, concurrently with the router, the grouping and
+    #: both routed-expert kernels (same kernels, same order of additions: bit-identical to one stream,
+    #: tests/test_gpu_engine.py; captured into CUDA graphs as a fork and a join before the combine that
+    #: adds its output). Measured on the H200 with the earlier join before the routed experts (flagship
+    #: decode step, ``memra bench decode --shared-overlap on|off``): 6.867 -> 6.688 ms at batch 1,
+    #: 31.54 -> 31.20 at 64; the later join: memra/kernels/NOTES.md.
+    overlap_shared: bool = True
 
     def __init__(self, router: torch.Tensor, bias: torch.Tensor | None, experts: RoutedExperts,
                  shared: GatedMLP | None, top_k: int, scaling: float):
@@ -207,23 +207,24 @@ class MoE(KernelLayer):
         if not self.kernels:
             y = self.experts(h, *self.route(h))
             return y if self.shared is None else y + self.shared(h)
-        shared = None
+        shared, side = None, None
         if self.shared is not None and self.overlap_shared and h.is_cuda:
-            # fork: the shared expert on a side stream while the router runs on this one; join
-            # before the routed experts, which add its output (``add``). The side stream's buffers
-            # are safe without record_stream: every later use of that stream starts behind another
-            # fork (it waits for this stream), and this stream waits for it here.
+            # fork: the shared expert on a side stream while the router, the grouping and both
+            # routed-expert kernels run on this one; the join (``add_stream``) comes just before the
+            # combine that adds its output. Buffers are safe without record_stream: ``h`` (read by
+            # the side stream) is held by the caller past the join; the side stream's own buffers
+            # return to its pool, and every later use of that stream starts behind another fork
+            # (it waits for this stream, which has joined it).
             main, side = torch.cuda.current_stream(h.device), _side_stream(h.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared(h)
             index, weight = self.route(h)
-            main.wait_stream(side)
         else:
             index, weight = self.route(h)
             if self.shared is not None:
                 shared = self.shared(h)
-        return self.experts(h, index, weight, shared)  # the routed experts accumulate onto ``shared``
+        return self.experts(h, index, weight, shared, side)  # the routed combine adds ``shared``
 
     @property
     def tokens_per_expert(self) -> torch.Tensor | None:
