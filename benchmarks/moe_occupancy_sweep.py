@@ -4,7 +4,12 @@ so this times tile shapes and warp counts that trade registers for warps, at T =
 the fraction of the byte floor (distinct experts x bytes per expert at the copy bandwidth of the
 same run). Writes JSON to argv[1] (default /tmp/moe-occupancy.json) and prints a table.
 
-Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json``
+Grids: ``occupancy`` (tiles x warps x register prefetch, the 2026-12-04 sweep) and ``stages``
+(the weight loads pipelined through shared memory by Triton, MoeDecodeConfig.stages 2-4, with
+the tiles that this frees registers for); every configuration is checked against the torch
+reference (moe_census.moe_config_sweep).
+
+Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy|stages] [T,...] [fmt]``
 """
 
 from __future__ import annotations
@@ -20,25 +25,48 @@ from memra.bench.moe_census import moe_config_sweep
 from memra.kernels.moe_decode import default_moe_config
 
 
-def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/moe-occupancy.json"
-    e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
-    bw = copy_bandwidth()
-    gu, dn, _ = random_moe("nvfp4", torch.device("cuda"))
-    per_expert = gu.expert_nbytes + dn.expert_nbytes
-    del gu, dn
-    rows = []
-    for t in (1, 4, 16):
-        base = default_moe_config("nvfp4", t, k, e, i, d)
-        cands = [base]
+def candidates(grid: str, base):
+    """The launch configurations a grid tries around ``base`` (``base`` first)."""
+    cands = [base]
+
+    def add(c):
+        if c not in cands:
+            cands.append(c)
+
+    if grid == "occupancy":
         for ba, bk1 in ((16, 512), (32, 256), (16, 256), (8, 512)):
             for bn, nw in ((64, 4), (32, 4), (64, 8)):
                 for pf in (True, False):
-                    c = replace(base, ba=ba, bk1=bk1, bn=bn, num_warps=nw, prefetch=pf)
-                    if c not in cands:
-                        cands.append(c)
-        cands += [replace(base, num_warps=8), replace(base, bn=32), replace(base, prefetch=not base.prefetch)]
-        res = moe_config_sweep(ts=(t,), configs=cands, reps=15, inner=8, routings=8)
+                    add(replace(base, ba=ba, bk1=bk1, bn=bn, num_warps=nw, prefetch=pf))
+        for c in (replace(base, num_warps=8), replace(base, bn=32), replace(base, prefetch=not base.prefetch)):
+            add(c)
+    elif grid == "stages":
+        for st in (2, 3, 4):
+            for ba, bk1 in ((32, 512), (32, 256), (64, 256)):
+                for bn, bk2 in ((64, 256), (128, 128)):
+                    if st * max(2 * ba * bk1, bn * bk2) // 2 <= 64 * 1024:  # nvfp4 code bytes in flight
+                        add(replace(base, ba=ba, bk1=bk1, bn=bn, bk2=bk2, stages=st, prefetch=False))
+    else:
+        raise SystemExit(f"unknown grid {grid!r} (occupancy, stages)")
+    return cands
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/moe-occupancy.json"
+    grid = sys.argv[2] if len(sys.argv) > 2 else "occupancy"
+    ts = [int(v) for v in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 4, 16]
+    fmt = sys.argv[4] if len(sys.argv) > 4 else "nvfp4"
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_occupancy_sweep.py times GPU kernels: it needs a CUDA GPU")
+    e, k, d, i = FLAGSHIP["e"], FLAGSHIP["top_k"], FLAGSHIP["d"], FLAGSHIP["i"]
+    bw = copy_bandwidth()
+    gu, dn, _ = random_moe(fmt, torch.device("cuda"))
+    per_expert = gu.expert_nbytes + dn.expert_nbytes
+    del gu, dn
+    rows = []
+    for t in ts:
+        base = default_moe_config(fmt, t, k, e, i, d)
+        res = moe_config_sweep(ts=(t,), fmt=fmt, configs=candidates(grid, base), reps=15, inner=8, routings=8)
         nd = expected_distinct(t, e, k)
         floor_us = nd * per_expert / bw * 1e6
         for r in res:
@@ -46,16 +74,19 @@ def main() -> None:
             r["pct_floor"] = 100.0 * floor_us / r["us"] if "us" in r else None
             r["default"] = r["config"] == asdict(base)
         rows += res
-    rows_ok = [r for r in rows if "us" in r]
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert")
-    print(" T  default  us      %floor  ba  bk1  bn  warps prefetch")
-    for t in (1, 4, 16):
+    rows_ok = [r for r in rows if "us" in r and r["correct"]]
+    bad = [r for r in rows if "us" in r and not r["correct"]]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert; {len(bad)} configurations "
+          f"failed the reference check, {sum('error' in r for r in rows)} did not compile")
+    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch stages")
+    for t in ts:
         best = sorted([r for r in rows_ok if r["t"] == t], key=lambda r: r["us"])
         for r in [x for x in best if x["default"]] + best[:5]:
             c = r["config"]
             print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
-                  f"{c['bn']:3d} {c['num_warps']:5d} {c['prefetch']}")
-    json.dump(dict(copy_tbs=bw / 1e12, per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
+                  f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s:8} {c['stages']}")
+    json.dump(dict(fmt=fmt, grid=grid, device=torch.cuda.get_device_name(), copy_tbs=bw / 1e12,
+                   per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
 
 
 if __name__ == "__main__":

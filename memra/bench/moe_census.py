@@ -91,8 +91,9 @@ def moe_config_sweep(ts=(1, 2), fmt: str = "nvfp4", configs=None, device: str = 
                      inner: int = 16, routings: int = 8, limit: float | None = 7.0) -> list[dict]:
     """Times :func:`moe_decode` for each launch configuration in ``configs`` (a list of
     :class:`~memra.kernels.moe_decode.MoeDecodeConfig`; default: a small grid around the defaults)
-    at the flagship shape, random routing. Returns rows {t, config, us} (configs that fail to
-    compile are reported with ``error``)."""
+    at the flagship shape, random routing. Every configuration is also checked against
+    :func:`moe_decode_ref` on the first routing (bf16 x, rel. error <= 1e-2 of max |y|). Returns
+    rows {t, config, us, rel_err, correct} (configs that fail to compile: ``error``)."""
     from dataclasses import asdict
 
     dev = torch.device(device)
@@ -109,12 +110,17 @@ def moe_config_sweep(ts=(1, 2), fmt: str = "nvfp4", configs=None, device: str = 
             x = (torch.randn(t, d, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
             idx, w = random_routing(t, e, k, dev, gen)
             calls.append((x, idx, w, torch.empty_like(x)))
+        x0, i0, w0, _ = calls[0]
+        ref = moe_decode_ref(x0.float(), i0, w0, gu, dn, limit)
         for cfg in cands:
             try:
+                y = moe_decode(x0, i0, w0, gu, dn, limit, config=cfg).float()
+                rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                 us = cuda_graph_us([lambda a=a, cfg=cfg: moe_decode(a[0], a[1], a[2], gu, dn, limit, out=a[3],
                                                                     config=cfg)
                                     for a in calls], reps, inner)
-                out.append(dict(t=t, fmt=fmt, config=asdict(cfg), us=us))
+                out.append(dict(t=t, fmt=fmt, config=asdict(cfg), us=us, rel_err=rel,
+                                correct=bool(torch.isfinite(y).all()) and rel <= 1e-2))
             except Exception as ex:  # a config the compiler rejects is reported, not fatal
                 out.append(dict(t=t, fmt=fmt, config=asdict(cfg), error=f"{type(ex).__name__}: {str(ex)[:200]}"))
             print(out[-1], flush=True)

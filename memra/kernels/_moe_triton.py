@@ -25,10 +25,13 @@ from ._gemv_triton import (
 @triton.jit
 def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+              STAGES: tl.constexpr):
     """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
     (column c0 + i of the slot, masked when >= cnt): four fp32 [BN] vectors (unused ones 0).
-    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 or fp8 with F16, an int64 pointer: 8-byte words)."""
+    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 or fp8 with F16, an int64 pointer: 8-byte words).
+    STAGES > 1: Triton's software pipeliner keeps the weight loads of STAGES - 1 later steps in
+    flight through shared memory (cp.async); 1: plain loads (with PREFETCH: one step ahead in registers)."""
     BK: tl.constexpr = G * GS
     if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
         xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
@@ -51,7 +54,7 @@ def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         else:
             q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
             sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             if PREFETCH:
                 if EVEN_K:
                     qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
@@ -99,7 +102,7 @@ def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
             q = _f8_load(w_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
         else:
             q = tl.zeros([G, BN, 2], dtype=tl.int64)
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             if PREFETCH:
                 if EVEN_K:
                     qn = _f8_load(w_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
@@ -128,7 +131,7 @@ def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         acc2 = tl.zeros([BN, G], dtype=tl.float32)
         acc3 = tl.zeros([BN, G], dtype=tl.float32)
         w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             if PREFETCH:
                 w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
                                  FMT, BN, G, GS, EVEN_K, ASM)
@@ -167,7 +170,7 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
               stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BA: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              HAS_LIMIT: tl.constexpr):
+              HAS_LIMIT: tl.constexpr, STAGES: tl.constexpr):
     # tokens c0 .. c0 + NC - 1 of the slot (sorted positions start + c0 + i)
     p0 = tl.load(perm_ptr + start + c0, mask=c0 < cnt, other=0)
     xp0 = x_ptr + (p0 // topk).to(tl.int64) * stride_x
@@ -183,7 +186,7 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
         p3 = tl.load(perm_ptr + start + c0 + 3, mask=c0 + 3 < cnt, other=0)
         xp3 = x_ptr + (p3 // topk).to(tl.int64) * stride_x
     y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
-                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES)
     row = act_ptr + (start + c0).to(tl.int64) * I
     _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
     if NC > 1:
@@ -198,7 +201,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
                         topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit,
                         FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                         NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, STAGES: tl.constexpr = 1):
     """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
     j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
     W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
@@ -223,17 +226,17 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
     k_lo = pid_a * 0  # a tensor, not a constexpr 0 (_h2_load applies tl.multiple_of to it)
     for c0 in range(0, cnt - (NC - 1), NC):
         _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
-                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT, STAGES)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT, STAGES)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT, STAGES)
 
 
 @triton.jit
@@ -253,10 +256,10 @@ def _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, w_ptr, s_ptr, rn, n_ok, start, c
               stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              ATOMIC: tl.constexpr):
+              ATOMIC: tl.constexpr, STAGES: tl.constexpr):
     xp0 = act_ptr + (start + c0).to(tl.int64) * K
     y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
-                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH)
+                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES)
     _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok, ATOMIC)
     if NC > 1:
         _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok, ATOMIC)
@@ -270,7 +273,7 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
                      topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
                      EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                     ATOMIC: tl.constexpr = True):
+                     ATOMIC: tl.constexpr = True, STAGES: tl.constexpr = 1):
     """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
     every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host).
     ATOMIC=False (one K split): y[p_c, n] = the same term, per-pair rows [T * k, N]."""
@@ -293,17 +296,17 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for c0 in range(0, cnt - (NC - 1), NC):
         _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
-                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, ATOMIC, STAGES)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, ATOMIC, STAGES)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, ATOMIC, STAGES)
 
 
 @triton.jit
