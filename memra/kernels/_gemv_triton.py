@@ -422,18 +422,158 @@ def _put(y_ptr, yv, t, T, rn, n_ok, stride_yt, ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
+              FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+              STAGES: tl.constexpr, S_ROW: tl.constexpr):
+    """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
+    (column c0 + i, masked when >= cnt): four fp32 [BN] vectors (unused ones 0). The CUDA-core
+    inner products of both decode GEMVs (_gemv_kernel: columns 0..T-1 of x; the MoE kernels: a
+    slot's tokens). w_ptr/s_ptr: the codes/scales (for nvfp4 or fp8 with F16, an int64 pointer:
+    8-byte words). S_ROW (fp8 with F16): s_ptr is the one 128-row scale row of all BN rows (BN
+    divides 128), else each row's own row of blocks is read.
+    STAGES > 1: Triton's software pipeliner keeps the weight loads of STAGES - 1 later steps in
+    flight through shared memory (cp.async); 1: plain loads (with PREFETCH: one step ahead in registers)."""
+    BK: tl.constexpr = G * GS
+    if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
+        xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
+        xs1, xi1 = xs0, xi0
+        xs2, xi2 = xs0, xi0
+        xs3, xi3 = xs0, xi0
+        if NC > 1:
+            xs1, xi1 = _h2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G)
+        if NC > 2:
+            xs2, xi2 = _h2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G)
+            xs3, xi3 = _h2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G)
+        acc0 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc1 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc2 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
+        rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        n3 = tl.minimum(rn, N - 1)[None, :, None]
+        if PREFETCH:
+            q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+        else:
+            q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
+            sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            if PREFETCH:
+                if EVEN_K:
+                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
+                                       stride_sn, rg, G, EVEN_K)
+                else:
+                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn,
+                                       stride_sn, rg, G, EVEN_K)
+            else:
+                q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
+                qn = q
+                sbn = sb
+            s2 = _ue4m3_raw(sb)
+            acc0 = _h2_col(acc0, q, s2, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if NC > 1:
+                acc1 = _h2_col(acc1, q, s2, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if NC > 2:
+                acc2 = _h2_col(acc2, q, s2, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _h2_col(acc3, q, s2, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+            sb = sbn
+        y0 = tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0
+        y1 = tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1
+        y2 = tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2
+        y3 = tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3
+    elif FMT == 1 and F16:  # fp8, fp16x2 unit sums (as _gemv_kernel's fp8 F16 path)
+        xs0, xi0 = _pow2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        xs1, xi1 = xs0, xi0
+        xs2, xi2 = xs0, xi0
+        xs3, xi3 = xs0, xi0
+        if NC > 1:
+            xs1, xi1 = _pow2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        if NC > 2:
+            xs2, xi2 = _pow2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+            xs3, xi3 = _pow2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
+        acc0 = tl.zeros([G, BN], dtype=tl.float32)
+        acc1 = tl.zeros([G, BN], dtype=tl.float32)
+        acc2 = tl.zeros([G, BN], dtype=tl.float32)
+        acc3 = tl.zeros([G, BN], dtype=tl.float32)
+        ru = tl.arange(0, G)
+        rw = ru[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        rc = tl.minimum(rn, N - 1)
+        n3 = rc[None, :, None]
+        s_rows = s_ptr + (rc // 128)[None, :] * stride_sn  # each row's 128x128 block row (unless S_ROW)
+        if PREFETCH:
+            q = _f8_load(w_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
+        else:
+            q = tl.zeros([G, BN, 2], dtype=tl.int64)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            if PREFETCH:
+                if EVEN_K:
+                    qn = _f8_load(w_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
+                else:
+                    qn = _f8_load(w_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, rw, G, EVEN_K)
+            else:
+                q = _f8_load(w_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G, EVEN_K)
+                qn = q
+            qa, qb = tl.split(q)
+            if S_ROW:
+                ku1 = k0 + ru * 16
+                su = tl.load(s_ptr + ku1 // 128, mask=ku1 < k_hi, other=0.0)[:, None]
+            else:
+                ku = (k0 + ru * 16)[:, None]
+                su = tl.load(s_rows + ku // 128, mask=ku < k_hi, other=0.0)
+            acc0 = _f8_col(acc0, qa, qb, su, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
+            if NC > 1:
+                acc1 = _f8_col(acc1, qa, qb, su, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
+            if NC > 2:
+                acc2 = _f8_col(acc2, qa, qb, su, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
+                acc3 = _f8_col(acc3, qa, qb, su, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
+            q = qn
+        y0 = tl.sum(acc0, axis=0) * xi0
+        y1 = tl.sum(acc1, axis=0) * xi1
+        y2 = tl.sum(acc2, axis=0) * xi2
+        y3 = tl.sum(acc3, axis=0) * xi3
+    else:  # fp32 FMAs on the dequantized tile (as _gemv_kernel's DOT=False path)
+        acc0 = tl.zeros([BN, G], dtype=tl.float32)
+        acc1 = tl.zeros([BN, G], dtype=tl.float32)
+        acc2 = tl.zeros([BN, G], dtype=tl.float32)
+        acc3 = tl.zeros([BN, G], dtype=tl.float32)
+        w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            if PREFETCH:
+                w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
+                                 FMT, BN, G, GS, EVEN_K, ASM)
+            else:
+                w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k0, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
+                w3n = w3
+                s2n = s2
+            acc0 = _fma(acc0, w3, s2, _x_group(xp0, c0, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            if NC > 1:
+                acc1 = _fma(acc1, w3, s2, _x_group(xp1, c0 + 1, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            if NC > 2:
+                acc2 = _fma(acc2, w3, s2, _x_group(xp2, c0 + 2, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+                acc3 = _fma(acc3, w3, s2, _x_group(xp3, c0 + 3, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
+            w3 = w3n
+            s2 = s2n
+        y0 = tl.sum(acc0, axis=1)
+        y1 = tl.sum(acc1, axis=1)
+        y2 = tl.sum(acc2, axis=1)
+        y3 = tl.sum(acc3, axis=1)
+    return y0, y1, y2, y3
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
                  T, N, K, k_per_split,
                  stride_xt, stride_yt, stride_wn, stride_sn,
                  FMT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
                  GS: tl.constexpr, DOT: tl.constexpr, ATOMIC: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+                 STAGES: tl.constexpr = 1):
     """y[t, n] (+)= sum_k x[t, k] W[n, k] for rows pid_n*BN.., K range pid_k*k_per_split..
 
     DOT=False: BT in {1, 2, 4}, one fp32 accumulator [BN, G] per column t, fp32 FMAs; for
     nvfp4 with F16, fp16x2 sub-block sums instead (_NVFP4_H2_ASM; stride_wn in 8-byte words).
     DOT=True: BT = 16, tl.dot of x with the dequantized tile (cast to x's dtype, or with
-    F16 both operands in fp16).
+    F16 both operands in fp16). STAGES (DOT=False): see _dot_cols.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -474,125 +614,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
             tl.atomic_add(yp, acc, mask=ym, sem="relaxed")
         else:
             tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ym)
-    elif FMT == 2 and F16:  # nvfp4, fp16x2 products per sub-block (see _NVFP4_H2_ASM)
-        xs0, xi0 = _h2_xscale(x_ptr, 0, T, k_lo, k_hi, 16 * G)
-        xs1, xi1 = _h2_xscale(x_ptr + stride_xt, 1, T, k_lo, k_hi, 16 * G)
-        xs2, xi2 = _h2_xscale(x_ptr + 2 * stride_xt, 2, T, k_lo, k_hi, 16 * G)
-        xs3, xi3 = _h2_xscale(x_ptr + 3 * stride_xt, 3, T, k_lo, k_hi, 16 * G)
-        # tile [G // 2, BN, 2]: pairs of sub-blocks (16-byte code loads, 2-byte scale loads); this
-        # dimension order makes Triton spread a warp's threads along K first, then rows, so that each
-        # thread meets the same few x pairs in several rows
-        acc0 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc1 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc2 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        q_ptr = w_ptr.to(tl.pointer_type(tl.int64))  # stride_wn: in 8-byte words here (host)
-        rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-        n3 = tl.minimum(rn, N - 1)[None, :, None]
-        if PREFETCH:
-            q, sb = _h2_load(q_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
-        else:  # loop-carried placeholders only
-            q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
-            sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
-        for k0 in range(k_lo, k_hi, BK):
-            if PREFETCH:  # next step's codes and scales in flight while this step computes
-                if EVEN_K:  # unmasked loads: the last step re-loads its own tile (in bounds) instead
-                    qn, sbn = _h2_load(q_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
-                                       stride_sn, rg, G, EVEN_K)
-                else:
-                    qn, sbn = _h2_load(q_ptr, s_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
-                                       rg, G, EVEN_K)
-            else:
-                q, sb = _h2_load(q_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
-                qn = q
-                sbn = sb
-            s2 = _ue4m3_raw(sb)  # times 2^22 (as in _tile) in the final factor xi
-            acc0 = _h2_col(acc0, q, s2, x_ptr, 0, T, k0, k_hi, xs0, G, ASM, EVEN_K)
-            if BT > 1:
-                acc1 = _h2_col(acc1, q, s2, x_ptr + stride_xt, 1, T, k0, k_hi, xs1, G, ASM, EVEN_K)
-            if BT > 2:
-                acc2 = _h2_col(acc2, q, s2, x_ptr + 2 * stride_xt, 2, T, k0, k_hi, xs2, G, ASM, EVEN_K)
-                acc3 = _h2_col(acc3, q, s2, x_ptr + 3 * stride_xt, 3, T, k0, k_hi, xs3, G, ASM, EVEN_K)
-            q = qn
-            sb = sbn
-        _put(y_ptr, tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0, 0, T, rn, n_ok, stride_yt, ATOMIC)
-        if BT > 1:
-            _put(y_ptr, tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1, 1, T, rn, n_ok, stride_yt, ATOMIC)
-        if BT > 2:
-            _put(y_ptr, tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2, 2, T, rn, n_ok, stride_yt, ATOMIC)
-            _put(y_ptr, tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3, 3, T, rn, n_ok, stride_yt, ATOMIC)
-    elif FMT == 1 and F16:  # fp8, fp16x2 products per 16-code unit (see _FP8_H2_ASM)
-        xs0, xi0 = _pow2_xscale(x_ptr, 0, T, k_lo, k_hi, 16 * G, _F8_TOP)
-        xs1, xi1 = _pow2_xscale(x_ptr + stride_xt, 1, T, k_lo, k_hi, 16 * G, _F8_TOP)
-        xs2, xi2 = _pow2_xscale(x_ptr + 2 * stride_xt, 2, T, k_lo, k_hi, 16 * G, _F8_TOP)
-        xs3, xi3 = _pow2_xscale(x_ptr + 3 * stride_xt, 3, T, k_lo, k_hi, 16 * G, _F8_TOP)
-        # tile [G, BN, 2]: G units of 16 codes per row, each unit two 8-byte words (one 16-byte load);
-        # a warp's threads spread along K first, so each thread meets the same unit in several rows
-        acc0 = tl.zeros([G, BN], dtype=tl.float32)
-        acc1 = tl.zeros([G, BN], dtype=tl.float32)
-        acc2 = tl.zeros([G, BN], dtype=tl.float32)
-        acc3 = tl.zeros([G, BN], dtype=tl.float32)
-        q_ptr = w_ptr.to(tl.pointer_type(tl.int64))  # stride_wn: in 8-byte words here (host)
-        ru = tl.arange(0, G)
-        rw = ru[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-        n3 = tl.minimum(rn, N - 1)[None, :, None]
-        s_row = s_ptr + ((pid_n * BN) // 128) * stride_sn  # BN divides 128: one row block per program
-        if PREFETCH:
-            q = _f8_load(q_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
+    else:  # CUDA-core inner products (fp16x2 for nvfp4 / fp8 with F16, fp32 FMAs otherwise)
+        if (FMT == 2 or FMT == 1) and F16:
+            wq = w_ptr.to(tl.pointer_type(tl.int64))  # stride_wn: in 8-byte words here (host)
         else:
-            q = tl.zeros([G, BN, 2], dtype=tl.int64)
-        for k0 in range(k_lo, k_hi, BK):
-            if PREFETCH:
-                if EVEN_K:
-                    qn = _f8_load(q_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
-                else:
-                    qn = _f8_load(q_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, rw, G, EVEN_K)
-            else:
-                q = _f8_load(q_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G, EVEN_K)
-                qn = q
-            qa, qb = tl.split(q)
-            ku = k0 + ru * 16
-            su = tl.load(s_row + ku // 128, mask=ku < k_hi, other=0.0)[:, None]
-            acc0 = _f8_col(acc0, qa, qb, su, x_ptr, 0, T, k0, k_hi, xs0, G, ASM, EVEN_K)
-            if BT > 1:
-                acc1 = _f8_col(acc1, qa, qb, su, x_ptr + stride_xt, 1, T, k0, k_hi, xs1, G, ASM, EVEN_K)
-            if BT > 2:
-                acc2 = _f8_col(acc2, qa, qb, su, x_ptr + 2 * stride_xt, 2, T, k0, k_hi, xs2, G, ASM, EVEN_K)
-                acc3 = _f8_col(acc3, qa, qb, su, x_ptr + 3 * stride_xt, 3, T, k0, k_hi, xs3, G, ASM, EVEN_K)
-            q = qn
-        _put(y_ptr, tl.sum(acc0, axis=0) * xi0, 0, T, rn, n_ok, stride_yt, ATOMIC)
+            wq = w_ptr
+        if FMT == 1 and F16:
+            sq = s_ptr + ((pid_n * BN) // 128) * stride_sn  # BN divides 128: one row block per program
+        else:
+            sq = s_ptr
+        y0, y1, y2, y3 = _dot_cols(wq, sq, rn, n_ok, N, x_ptr, x_ptr + stride_xt, x_ptr + 2 * stride_xt,
+                                   x_ptr + 3 * stride_xt, 0, T, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS,
+                                   BT, EVEN_K, ASM, F16, PREFETCH, STAGES, True)
+        _put(y_ptr, y0, 0, T, rn, n_ok, stride_yt, ATOMIC)
         if BT > 1:
-            _put(y_ptr, tl.sum(acc1, axis=0) * xi1, 1, T, rn, n_ok, stride_yt, ATOMIC)
+            _put(y_ptr, y1, 1, T, rn, n_ok, stride_yt, ATOMIC)
         if BT > 2:
-            _put(y_ptr, tl.sum(acc2, axis=0) * xi2, 2, T, rn, n_ok, stride_yt, ATOMIC)
-            _put(y_ptr, tl.sum(acc3, axis=0) * xi3, 3, T, rn, n_ok, stride_yt, ATOMIC)
-    else:
-        acc0 = tl.zeros([BN, G], dtype=tl.float32)
-        acc1 = tl.zeros([BN, G], dtype=tl.float32)
-        acc2 = tl.zeros([BN, G], dtype=tl.float32)
-        acc3 = tl.zeros([BN, G], dtype=tl.float32)
-        # PREFETCH: the next loop step's weight tile is loaded before this one is used
-        # (software pipelining in registers; Triton pipelines only the loads that feed tl.dot)
-        w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-        for k0 in range(k_lo, k_hi, BK):
-            if PREFETCH:
-                w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
-                                 FMT, BN, G, GS, EVEN_K, ASM)
-            else:
-                w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k0, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-                w3n = w3
-                s2n = s2
-            acc0 = _fma(acc0, w3, s2, _x_group(x_ptr, 0, T, k0, k_hi, stride_xt, G, GS, EVEN_K), FMT)
-            if BT > 1:
-                acc1 = _fma(acc1, w3, s2, _x_group(x_ptr, 1, T, k0, k_hi, stride_xt, G, GS, EVEN_K), FMT)
-            if BT > 2:
-                acc2 = _fma(acc2, w3, s2, _x_group(x_ptr, 2, T, k0, k_hi, stride_xt, G, GS, EVEN_K), FMT)
-                acc3 = _fma(acc3, w3, s2, _x_group(x_ptr, 3, T, k0, k_hi, stride_xt, G, GS, EVEN_K), FMT)
-            w3 = w3n
-            s2 = s2n
-        _put(y_ptr, tl.sum(acc0, axis=1), 0, T, rn, n_ok, stride_yt, ATOMIC)
-        if BT > 1:
-            _put(y_ptr, tl.sum(acc1, axis=1), 1, T, rn, n_ok, stride_yt, ATOMIC)
-        if BT > 2:
-            _put(y_ptr, tl.sum(acc2, axis=1), 2, T, rn, n_ok, stride_yt, ATOMIC)
-            _put(y_ptr, tl.sum(acc3, axis=1), 3, T, rn, n_ok, stride_yt, ATOMIC)
+            _put(y_ptr, y2, 2, T, rn, n_ok, stride_yt, ATOMIC)
+            _put(y_ptr, y3, 3, T, rn, n_ok, stride_yt, ATOMIC)

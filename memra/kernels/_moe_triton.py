@@ -1,157 +1,12 @@
 """Triton source of the MoE decode kernels (see :mod:`memra.kernels.moe_decode` for the math,
 layouts, grouping and the host wrapper). The weight tile loads and inner products are the
 decode GEMV's (:mod:`memra.kernels._gemv_triton`); this file adds the per-slot column loop,
-the SwiGLU epilogue and the weighted atomic combine. Imported only when a kernel is launched."""
+the SwiGLU epilogue and the weighted combine (``_dot_cols`` is shared with the dense GEMV). Imported only when a kernel is launched."""
 
 import triton
 import triton.language as tl
 
-from ._gemv_triton import (
-    _F8_TOP,
-    _f8_col,
-    _f8_load,
-    _fma,
-    _h2_col,
-    _h2_load,
-    _h2_xscale,
-    _pow2_xscale,
-    _put,
-    _tile,
-    _ue4m3_raw,
-    _x_group,
-)
-
-
-@triton.jit
-def _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
-              FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              STAGES: tl.constexpr):
-    """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
-    (column c0 + i of the slot, masked when >= cnt): four fp32 [BN] vectors (unused ones 0).
-    w_ptr/s_ptr: the expert's codes/scales (for nvfp4 or fp8 with F16, an int64 pointer: 8-byte words).
-    STAGES > 1: Triton's software pipeliner keeps the weight loads of STAGES - 1 later steps in
-    flight through shared memory (cp.async); 1: plain loads (with PREFETCH: one step ahead in registers)."""
-    BK: tl.constexpr = G * GS
-    if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
-        xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
-        xs1, xi1 = xs0, xi0
-        xs2, xi2 = xs0, xi0
-        xs3, xi3 = xs0, xi0
-        if NC > 1:
-            xs1, xi1 = _h2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G)
-        if NC > 2:
-            xs2, xi2 = _h2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G)
-            xs3, xi3 = _h2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G)
-        acc0 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc1 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc2 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
-        rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-        n3 = tl.minimum(rn, N - 1)[None, :, None]
-        if PREFETCH:
-            q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
-        else:
-            q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
-            sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            if PREFETCH:
-                if EVEN_K:
-                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
-                                       stride_sn, rg, G, EVEN_K)
-                else:
-                    qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn,
-                                       stride_sn, rg, G, EVEN_K)
-            else:
-                q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
-                qn = q
-                sbn = sb
-            s2 = _ue4m3_raw(sb)
-            acc0 = _h2_col(acc0, q, s2, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
-            if NC > 1:
-                acc1 = _h2_col(acc1, q, s2, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
-            if NC > 2:
-                acc2 = _h2_col(acc2, q, s2, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
-                acc3 = _h2_col(acc3, q, s2, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
-            q = qn
-            sb = sbn
-        y0 = tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0
-        y1 = tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1
-        y2 = tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2
-        y3 = tl.sum(tl.sum(acc3, axis=2), axis=0) * xi3
-    elif FMT == 1 and F16:  # fp8, fp16x2 unit sums (as _gemv_kernel's fp8 F16 path)
-        xs0, xi0 = _pow2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
-        xs1, xi1 = xs0, xi0
-        xs2, xi2 = xs0, xi0
-        xs3, xi3 = xs0, xi0
-        if NC > 1:
-            xs1, xi1 = _pow2_xscale(xp1, c0 + 1, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
-        if NC > 2:
-            xs2, xi2 = _pow2_xscale(xp2, c0 + 2, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
-            xs3, xi3 = _pow2_xscale(xp3, c0 + 3, cnt, k_lo, k_hi, 16 * G, _F8_TOP)
-        acc0 = tl.zeros([G, BN], dtype=tl.float32)
-        acc1 = tl.zeros([G, BN], dtype=tl.float32)
-        acc2 = tl.zeros([G, BN], dtype=tl.float32)
-        acc3 = tl.zeros([G, BN], dtype=tl.float32)
-        ru = tl.arange(0, G)
-        rw = ru[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-        rc = tl.minimum(rn, N - 1)
-        n3 = rc[None, :, None]
-        s_rows = s_ptr + (rc // 128)[None, :] * stride_sn  # a row's 128x128 block row (rows of 2 blocks here)
-        if PREFETCH:
-            q = _f8_load(w_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
-        else:
-            q = tl.zeros([G, BN, 2], dtype=tl.int64)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            if PREFETCH:
-                if EVEN_K:
-                    qn = _f8_load(w_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
-                else:
-                    qn = _f8_load(w_ptr, n3, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, rw, G, EVEN_K)
-            else:
-                q = _f8_load(w_ptr, n3, n_ok, k0, k_hi, stride_wn, rw, G, EVEN_K)
-                qn = q
-            qa, qb = tl.split(q)
-            ku = (k0 + ru * 16)[:, None]
-            su = tl.load(s_rows + ku // 128, mask=ku < k_hi, other=0.0)
-            acc0 = _f8_col(acc0, qa, qb, su, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
-            if NC > 1:
-                acc1 = _f8_col(acc1, qa, qb, su, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
-            if NC > 2:
-                acc2 = _f8_col(acc2, qa, qb, su, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
-                acc3 = _f8_col(acc3, qa, qb, su, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
-            q = qn
-        y0 = tl.sum(acc0, axis=0) * xi0
-        y1 = tl.sum(acc1, axis=0) * xi1
-        y2 = tl.sum(acc2, axis=0) * xi2
-        y3 = tl.sum(acc3, axis=0) * xi3
-    else:  # fp32 FMAs on the dequantized tile (as _gemv_kernel's DOT=False path)
-        acc0 = tl.zeros([BN, G], dtype=tl.float32)
-        acc1 = tl.zeros([BN, G], dtype=tl.float32)
-        acc2 = tl.zeros([BN, G], dtype=tl.float32)
-        acc3 = tl.zeros([BN, G], dtype=tl.float32)
-        w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            if PREFETCH:
-                w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
-                                 FMT, BN, G, GS, EVEN_K, ASM)
-            else:
-                w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k0, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-                w3n = w3
-                s2n = s2
-            acc0 = _fma(acc0, w3, s2, _x_group(xp0, c0, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
-            if NC > 1:
-                acc1 = _fma(acc1, w3, s2, _x_group(xp1, c0 + 1, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
-            if NC > 2:
-                acc2 = _fma(acc2, w3, s2, _x_group(xp2, c0 + 2, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
-                acc3 = _fma(acc3, w3, s2, _x_group(xp3, c0 + 3, cnt, k0, k_hi, 0, G, GS, EVEN_K), FMT)
-            w3 = w3n
-            s2 = s2n
-        y0 = tl.sum(acc0, axis=1)
-        y1 = tl.sum(acc1, axis=1)
-        y2 = tl.sum(acc2, axis=1)
-        y3 = tl.sum(acc3, axis=1)
-    return y0, y1, y2, y3
+from ._gemv_triton import _dot_cols, _put
 
 
 @triton.jit
@@ -185,8 +40,8 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
         xp2 = x_ptr + (p2 // topk).to(tl.int64) * stride_x
         p3 = tl.load(perm_ptr + start + c0 + 3, mask=c0 + 3 < cnt, other=0)
         xp3 = x_ptr + (p3 // topk).to(tl.int64) * stride_x
-    y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
-                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES)
+    y0, y1, y2, y3 = _dot_cols(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
+                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES, False)
     row = act_ptr + (start + c0).to(tl.int64) * I
     _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
     if NC > 1:
@@ -258,8 +113,8 @@ def _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, w_ptr, s_ptr, rn, n_ok, start, c
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
               ATOMIC: tl.constexpr, STAGES: tl.constexpr):
     xp0 = act_ptr + (start + c0).to(tl.int64) * K
-    y0, y1, y2, y3 = _slot_dot(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
-                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES)
+    y0, y1, y2, y3 = _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
+                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, STAGES, False)
     _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok, ATOMIC)
     if NC > 1:
         _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok, ATOMIC)

@@ -327,7 +327,9 @@ class GemvConfig:
     ~5e-4 relative error; nvfp4: ``bk >= 32``; fp8: ``bn <= 128``, K a multiple of 16);
     ``library``: bf16 only, call cuBLAS
     (``torch.mm``) instead of the Triton kernel; ``prefetch``: without ``dot``, load the next
-    loop step's weight tile before using the current one (register double buffering)."""
+    loop step's weight tile before using the current one (register double buffering);
+    ``stages`` > 1: without ``dot``, instead Triton's software pipeliner keeps ``stages`` - 1
+    later weight tiles in flight through shared memory (cp.async); 1: the plain loop."""
 
     bn: int
     bk: int
@@ -338,6 +340,7 @@ class GemvConfig:
     f16: bool = False
     library: bool = False
     prefetch: bool = False
+    stages: int = 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -419,6 +422,8 @@ def _validate_config(cfg: GemvConfig, fmt: str) -> None:
     gs = _GS[fmt]
     if cfg.bk % gs or cfg.bk & (cfg.bk - 1):
         raise ValueError(f"GemvConfig.bk = {cfg.bk} must be a power of two and a multiple of {gs} for {fmt}")
+    if cfg.stages < 1 or (cfg.stages > 1 and (cfg.dot or cfg.prefetch)):
+        raise ValueError(f"GemvConfig: stages = {cfg.stages} must be >= 1, and > 1 only without dot and prefetch")
     if cfg.bn & (cfg.bn - 1) or cfg.split_k < 1:
         raise ValueError(f"GemvConfig: bn = {cfg.bn} must be a power of two and split_k = {cfg.split_k} >= 1")
     if cfg.dot and (cfg.bn < 16 or cfg.bk < 16):
@@ -495,7 +500,8 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
         x, w.data, s, y, t, n, k, k_per_split,
         x.stride(0), y.stride(0), stride_w, s.stride(0),
         FMT=_FMT_ID[w.fmt], BT=bt, BN=cfg.bn, G=bk // _GS[w.fmt], GS=_GS[w.fmt],
-        DOT=cfg.dot, ATOMIC=atomic, EVEN_K=(k % bk == 0), ASM=not interpret_mode(), F16=cfg.f16, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT=cfg.dot, ATOMIC=atomic, EVEN_K=(k % bk == 0), ASM=not interpret_mode(), F16=cfg.f16, PREFETCH=cfg.prefetch,
+        STAGES=cfg.stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if atomic and y.dtype != out_dtype:
         if out is not None:

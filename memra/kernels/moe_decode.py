@@ -565,7 +565,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
             raise ValueError(f"moe_decode: block {bk} must be a power of two, a multiple of {gs} for {b.fmt} "
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
-            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic") or cfg.stages < 1):
+            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic") or cfg.stages < 1
+            or (cfg.stages > 1 and cfg.prefetch)):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
         x = x.contiguous()
