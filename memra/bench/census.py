@@ -103,8 +103,6 @@ def _candidates(fmt: str, t: int):
         out += [GemvConfig(128, 256, 2, False, 4, 2, f16=True),
                 GemvConfig(64, 256, 4, False, 4, 2, f16=True, prefetch=True)]
         out += [GemvConfig(8, 512, s, False, 4, 2) for s in (1, 2, 4)]  # fp32 path: kept at the shared-expert shapes
-        out += [GemvConfig(bn, bk, s, False, 4, 2, f16=True, stages=st) for bn, bk, st in  # cp.async pipelining
-                [(64, 512, 2), (128, 256, 3), (64, 256, 3), (64, 256, 4)] for s in (1, 2)]
     elif t <= 2:
         out += [GemvConfig(bn, bk, s, False, nw, 2, prefetch=pf) for bn, bk, nw in fma for s in (1, 2, 4, 8)
                 for pf in (False, True)]
@@ -115,8 +113,6 @@ def _candidates(fmt: str, t: int):
         out += [GemvConfig(bn, bk, s, False, nw, 2, f16=True, prefetch=pf) for bn, bk, nw, pf in
                 [(64, 256, 4, True), (128, 128, 4, True), (128, 256, 8, True), (32, 512, 4, True), (64, 256, 4, False),
                  (32, 256, 4, False)] for s in (1, 2, 4)]
-        out += [GemvConfig(bn, bk, s, False, 4, 2, f16=True, stages=st) for bn, bk, st in  # cp.async pipelining
-                [(64, 256, 3), (128, 128, 3), (64, 256, 4), (128, 256, 2)] for s in (1, 2)]
     out += [GemvConfig(bn, bk, s, True, nw, st) for bn, bk, nw, st in dot for s in (1, 2, 4)] if t > 2 else []
     if fmt == "bf16":
         out.append(GemvConfig(16, 128, 1, True, 4, 2, library=True))

@@ -455,7 +455,8 @@ class MoeDecodeConfig:
     of 16; ignored for other formats); ``prefetch``: next weight tile
     loaded before the current one is used (registers); ``stages`` > 1: instead, Triton's software
     pipeliner keeps ``stages`` - 1 later weight tiles in flight through shared memory (cp.async;
-    use with prefetch=False); ``num_warps`` for both kernels; ``group``: how the
+    use with prefetch=False; measured 1.4-1.6x slower at the flagship shape, T = 1 and 2, on the
+    H100: benchmarks/results/issue14/moe-stages-sweep-h100.json, so the defaults keep 1); ``num_warps`` for both kernels; ``group``: how the
     pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
     the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels);
     ``combine``: "sum" (default) the down kernel stores per-pair fp32 rows [T*k, D] and one
