@@ -33,11 +33,11 @@ def main() -> None:
         new = default_moe_config("fp8", t, k, e, i, d)
         old = MoeDecodeConfig(ba=8, bk1=256, nc=1 if t == 1 else (2 if t == 2 else 4), bn=16, bk2=256, f16=False,
                               prefetch=True)
-        cands = [new, old, replace(new, prefetch=not new.prefetch), replace(new, ba=32 if new.ba == 16 else 16),
-                 replace(new, bk1=512), replace(new, bn=32)]
+        cands = [new, old, replace(new, prefetch=not new.prefetch), replace(new, ba=16), replace(new, bk1=512),
+                 replace(new, bn=32)]
         res = moe_config_sweep(ts=(t,), fmt="fp8", configs=cands, reps=15, inner=8, routings=8)
         floor_us = expected_distinct(t, e, k) * per_expert / bw * 1e6
-        for r, name in zip(res, ["f16 default", "fp32 old default", "f16 prefetch flipped", f"f16 ba{cands[3].ba}", "f16 bk1 512",
+        for r, name in zip(res, ["f16 default", "fp32 old default", "f16 prefetch flipped", "f16 ba16", "f16 bk1 512",
                                  "f16 bn32"]):
             r.update(name=name, floor_us=floor_us, pct_floor=100 * floor_us / r["us"] if "us" in r else None)
             rows.append(r)
