@@ -717,6 +717,7 @@ def test_shared_expert_overlap_is_bit_identical():
     from memra.io.synthetic import build_gpu_model
     from memra.layers.moe import MoE
 
+    default = MoE.overlap_shared
     model = build_gpu_model("tiny", 3, "cuda", "nvfp4")
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
     assert moe.shared is not None
@@ -760,5 +761,5 @@ def test_shared_expert_overlap_is_bit_identical():
         MoE.overlap_shared = False
         assert torch.equal(with_overlap, logits())
     finally:
-        MoE.overlap_shared = False
+        MoE.overlap_shared = default  # restore the class default (on) for the tests that follow
         moe.__dict__.pop("overlap_shared", None)
