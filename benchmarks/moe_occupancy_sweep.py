@@ -4,12 +4,12 @@ so this times tile shapes and warp counts that trade registers for warps, at T =
 the fraction of the byte floor (distinct experts x bytes per expert at the copy bandwidth of the
 same run). Writes JSON to argv[1] (default /tmp/moe-occupancy.json) and prints a table.
 
-Grids: ``occupancy`` (tiles x warps x register prefetch, the 2026-12-04 sweep) and ``stages``
-(the weight loads pipelined through shared memory by Triton, MoeDecodeConfig.stages 2-4, with
-the tiles that this frees registers for); every configuration is checked against the torch
-reference (moe_census.moe_config_sweep).
+The ``stages`` grid of 2026-12-05 (weight loads pipelined through shared memory by Triton,
+cp.async) measured 1.4-1.6x slower (benchmarks/results/issue14/moe-stages-sweep-h100.json) and
+was removed with the knob. Every configuration is checked against the torch reference
+(moe_census.moe_config_sweep).
 
-Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy|stages] [T,...] [fmt]``
+Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy] [T,...] [fmt]``
 """
 
 from __future__ import annotations
@@ -40,14 +40,8 @@ def candidates(grid: str, base):
                     add(replace(base, ba=ba, bk1=bk1, bn=bn, num_warps=nw, prefetch=pf))
         for c in (replace(base, num_warps=8), replace(base, bn=32), replace(base, prefetch=not base.prefetch)):
             add(c)
-    elif grid == "stages":
-        for st in (2, 3, 4):
-            for ba, bk1 in ((32, 512), (32, 256), (64, 256)):
-                for bn, bk2 in ((64, 256), (128, 128)):
-                    if st * max(2 * ba * bk1, bn * bk2) // 2 <= 64 * 1024:  # nvfp4 code bytes in flight
-                        add(replace(base, ba=ba, bk1=bk1, bn=bn, bk2=bk2, stages=st, prefetch=False))
     else:
-        raise SystemExit(f"unknown grid {grid!r} (occupancy, stages)")
+        raise SystemExit(f"unknown grid {grid!r} (occupancy)")
     return cands
 
 
@@ -78,13 +72,13 @@ def main() -> None:
     bad = [r for r in rows if "us" in r and not r["correct"]]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert; {len(bad)} configurations "
           f"failed the reference check, {sum('error' in r for r in rows)} did not compile")
-    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch stages")
+    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch")
     for t in ts:
         best = sorted([r for r in rows_ok if r["t"] == t], key=lambda r: r["us"])
         for r in [x for x in best if x["default"]] + best[:5]:
             c = r["config"]
             print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
-                  f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s:8} {c['stages']}")
+                  f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s}")
     json.dump(dict(fmt=fmt, grid=grid, device=torch.cuda.get_device_name(), copy_tbs=bw / 1e12,
                    per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
 

@@ -763,3 +763,37 @@ def test_shared_expert_overlap_is_bit_identical():
     finally:
         MoE.overlap_shared = default  # restore the class default (on) for the tests that follow
         moe.__dict__.pop("overlap_shared", None)
+
+
+@pytest.mark.gpu
+def test_shared_expert_overlap_joins_its_stream_on_error(monkeypatch):
+    """If the routed experts raise after the fork, the main stream still waits for the shared
+    expert's side stream (join) before the error propagates, and the current stream is the main
+    one again."""
+    from memra.io.synthetic import build_gpu_model
+    from memra.layers.moe import MoE, _side_stream
+
+    model = build_gpu_model("tiny", 3, "cuda", "nvfp4")
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    assert moe.shared is not None and MoE.overlap_shared
+    h = torch.randn(4, model.config.hidden_size, device="cuda").to(torch.bfloat16)
+    want = moe(h)
+    main, side = torch.cuda.current_stream(), _side_stream(h.device)
+    joins = []
+    wait = torch.cuda.Stream.wait_stream
+
+    def spy(self, other):
+        joins.append((self, other))
+        return wait(self, other)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("routed experts failed")
+
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", spy)
+    monkeypatch.setattr(moe.experts, "forward", fail)
+    with pytest.raises(RuntimeError, match="routed experts failed"):
+        moe(h)
+    assert joins[0] == (side, main) and joins[-1] == (main, side), joins
+    assert torch.cuda.current_stream() == main
+    monkeypatch.undo()
+    assert torch.equal(moe(h), want)  # the layer works again afterwards

@@ -425,15 +425,16 @@ def _put(y_ptr, yv, t, T, rn, n_ok, stride_yt, ATOMIC: tl.constexpr):
 def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              STAGES: tl.constexpr, S_ROW: tl.constexpr):
+              S_ROW: tl.constexpr):
     """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
     (column c0 + i, masked when >= cnt): four fp32 [BN] vectors (unused ones 0). The CUDA-core
     inner products of both decode GEMVs (_gemv_kernel: columns 0..T-1 of x; the MoE kernels: a
     slot's tokens). w_ptr/s_ptr: the codes/scales (for nvfp4 or fp8 with F16, an int64 pointer:
     8-byte words). S_ROW (fp8 with F16): s_ptr is the one 128-row scale row of all BN rows (BN
     divides 128), else each row's own row of blocks is read.
-    STAGES > 1: Triton's software pipeliner keeps the weight loads of STAGES - 1 later steps in
-    flight through shared memory (cp.async); 1: plain loads (with PREFETCH: one step ahead in registers)."""
+    The K loops are ``tl.range(..., num_stages=1)``: plain loads (with PREFETCH: one step ahead in
+    registers). Triton's pipelining of these loads through shared memory (cp.async, num_stages > 1)
+    measured 1.4-1.6x slower for the MoE kernels (H100, benchmarks/results/issue14/moe-stages-sweep-h100.json)."""
     BK: tl.constexpr = G * GS
     if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
         xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
@@ -456,7 +457,7 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         else:
             q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
             sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
             if PREFETCH:
                 if EVEN_K:
                     qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
@@ -504,7 +505,7 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
             q = _f8_load(w_ptr, n3, n_ok, k_lo, k_hi, stride_wn, rw, G, EVEN_K)
         else:
             q = tl.zeros([G, BN, 2], dtype=tl.int64)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
             if PREFETCH:
                 if EVEN_K:
                     qn = _f8_load(w_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn, rw, G, EVEN_K)
@@ -537,7 +538,7 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         acc2 = tl.zeros([BN, G], dtype=tl.float32)
         acc3 = tl.zeros([BN, G], dtype=tl.float32)
         w3, s2 = _tile(w_ptr, s_ptr, rn, n_ok, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS, EVEN_K, ASM)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
             if PREFETCH:
                 w3n, s2n = _tile(w_ptr, s_ptr, rn, n_ok & (k0 + BK < k_hi), k0 + BK, k_hi, stride_wn, stride_sn,
                                  FMT, BN, G, GS, EVEN_K, ASM)
@@ -566,14 +567,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
                  stride_xt, stride_yt, stride_wn, stride_sn,
                  FMT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
                  GS: tl.constexpr, DOT: tl.constexpr, ATOMIC: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                 STAGES: tl.constexpr = 1):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
     """y[t, n] (+)= sum_k x[t, k] W[n, k] for rows pid_n*BN.., K range pid_k*k_per_split..
 
     DOT=False: BT in {1, 2, 4}, one fp32 accumulator [BN, G] per column t, fp32 FMAs; for
     nvfp4 with F16, fp16x2 sub-block sums instead (_NVFP4_H2_ASM; stride_wn in 8-byte words).
     DOT=True: BT = 16, tl.dot of x with the dequantized tile (cast to x's dtype, or with
-    F16 both operands in fp16). STAGES (DOT=False): see _dot_cols.
+    F16 both operands in fp16).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -625,7 +625,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
             sq = s_ptr
         y0, y1, y2, y3 = _dot_cols(wq, sq, rn, n_ok, N, x_ptr, x_ptr + stride_xt, x_ptr + 2 * stride_xt,
                                    x_ptr + 3 * stride_xt, 0, T, k_lo, k_hi, stride_wn, stride_sn, FMT, BN, G, GS,
-                                   BT, EVEN_K, ASM, F16, PREFETCH, STAGES, True)
+                                   BT, EVEN_K, ASM, F16, PREFETCH, True)
         _put(y_ptr, y0, 0, T, rn, n_ok, stride_yt, ATOMIC)
         if BT > 1:
             _put(y_ptr, y1, 1, T, rn, n_ok, stride_yt, ATOMIC)

@@ -327,11 +327,9 @@ class GemvConfig:
     ~5e-4 relative error; nvfp4: ``bk >= 32``; fp8: ``bn <= 128``, K a multiple of 16);
     ``library``: bf16 only, call cuBLAS
     (``torch.mm``) instead of the Triton kernel; ``prefetch``: without ``dot``, load the next
-    loop step's weight tile before using the current one (register double buffering);
-    ``stages`` > 1: without ``dot``, instead Triton's software pipeliner keeps ``stages`` - 1
-    later weight tiles in flight through shared memory (cp.async); 1: the plain loop. Measured
-    slower on the MoE decode kernels (H100, 2026-12-05: 74 vs 48 µs at T = 1), so no default or
-    tuner candidate uses it."""
+    loop step's weight tile before using the current one (register double buffering; weight
+    loads pipelined through shared memory by Triton instead measured 1.4-1.6x slower on the
+    MoE decode kernels, H100 2026-12-05, and were removed)."""
 
     bn: int
     bk: int
@@ -342,7 +340,6 @@ class GemvConfig:
     f16: bool = False
     library: bool = False
     prefetch: bool = False
-    stages: int = 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -424,8 +421,6 @@ def _validate_config(cfg: GemvConfig, fmt: str) -> None:
     gs = _GS[fmt]
     if cfg.bk % gs or cfg.bk & (cfg.bk - 1):
         raise ValueError(f"GemvConfig.bk = {cfg.bk} must be a power of two and a multiple of {gs} for {fmt}")
-    if cfg.stages < 1 or (cfg.stages > 1 and (cfg.dot or cfg.prefetch)):
-        raise ValueError(f"GemvConfig: stages = {cfg.stages} must be >= 1, and > 1 only without dot and prefetch")
     if cfg.bn & (cfg.bn - 1) or cfg.split_k < 1:
         raise ValueError(f"GemvConfig: bn = {cfg.bn} must be a power of two and split_k = {cfg.split_k} >= 1")
     if cfg.dot and (cfg.bn < 16 or cfg.bk < 16):
@@ -503,7 +498,7 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
         x.stride(0), y.stride(0), stride_w, s.stride(0),
         FMT=_FMT_ID[w.fmt], BT=bt, BN=cfg.bn, G=bk // _GS[w.fmt], GS=_GS[w.fmt],
         DOT=cfg.dot, ATOMIC=atomic, EVEN_K=(k % bk == 0), ASM=not interpret_mode(), F16=cfg.f16, PREFETCH=cfg.prefetch,
-        STAGES=cfg.stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if atomic and y.dtype != out_dtype:
         if out is not None:

@@ -453,10 +453,10 @@ class MoeDecodeConfig:
     down kernel: ``bn`` rows of D per program, ``bk2`` columns of I per step, ``split_k``.
     ``f16``: fp16x2 path for nvfp4 and fp8 (memra/kernels/gemv.py; fp8 needs D and I multiples
     of 16; ignored for other formats); ``prefetch``: next weight tile
-    loaded before the current one is used (registers); ``stages`` > 1: instead, Triton's software
-    pipeliner keeps ``stages`` - 1 later weight tiles in flight through shared memory (cp.async;
-    use with prefetch=False; measured 1.4-1.6x slower at the flagship shape, T = 1 and 2, on the
-    H100: benchmarks/results/issue14/moe-stages-sweep-h100.json, so the defaults keep 1); ``num_warps`` for both kernels; ``group``: how the
+    loaded before the current one is used (registers; Triton's pipelining of the weight loads
+    through shared memory instead, cp.async, measured 1.4-1.6x slower at the flagship shape, T = 1
+    and 2, H100: benchmarks/results/issue14/moe-stages-sweep-h100.json, and was removed);
+    ``num_warps`` for both kernels; ``group``: how the
     pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
     the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels);
     ``combine``: "sum" (default) the down kernel stores per-pair fp32 rows [T*k, D] and one
@@ -477,7 +477,6 @@ class MoeDecodeConfig:
     num_warps: int = 4
     group: str = "triton"
     combine: str = "sum"
-    stages: int = 1
 
 
 def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> MoeDecodeConfig:
@@ -544,8 +543,14 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         out: optional [T, D] tensor of x's dtype, written in full.
         config: launch parameters (default :func:`default_moe_config`); extension beyond the
             shared API, for benchmarks.
-        add: optional [T, D] tensor added to the result (the down kernel accumulates onto it:
-            the MoE layer passes its shared expert's output, saving one addition launch).
+        add: optional [T, D] tensor added to the result (the MoE layer passes its shared
+            expert's output): by the combine launch in the default "sum" combine, or as the
+            starting value the down kernel accumulates onto in the "atomic" one.
+        add_stream: the CUDA stream that produces ``add``, if not the current one: the current
+            stream waits for it (:func:`wait_for`) just before ``add`` is first read, i.e. after
+            both routed-expert kernels in the "sum" combine (they overlap its producer) and
+            before the down kernel in the "atomic" one (only the grouping and the gate+up kernel
+            overlap it).
 
     Returns: y [T, D] in x.dtype (``out`` if given). No host syncs: CUDA-graph capturable
     (scratch buffers are allocated per call from the caching allocator).
@@ -566,8 +571,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
             raise ValueError(f"moe_decode: block {bk} must be a power of two, a multiple of {gs} for {b.fmt} "
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
-            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic") or cfg.stages < 1
-            or (cfg.stages > 1 and cfg.prefetch)):
+            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
         x = x.contiguous()
@@ -610,7 +614,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
-        HAS_LIMIT=has_limit, STAGES=cfg.stages, num_warps=cfg.num_warps)
+        HAS_LIMIT=has_limit, num_warps=cfg.num_warps)
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
@@ -623,7 +627,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         act, down.data, sc, y32, perm, wflat, slot_e, slot_start, slot_cnt,
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
-        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, ATOMIC=atomic, STAGES=cfg.stages,
+        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, ATOMIC=atomic,
         num_warps=cfg.num_warps)
     if not atomic:
         from ._moe_prefill_triton import _moe_combine_kernel

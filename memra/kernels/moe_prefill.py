@@ -493,8 +493,10 @@ def moe_prefill(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate
             modified).
         config: launch parameters (default :func:`default_prefill_config`).
         add_stream: the CUDA stream that produces ``add``, if not the current one: the current
-            stream waits for it just before ``add`` is first read (after kernel B in the default
-            "sum" combine), as :func:`memra.kernels.moe_decode.moe_decode`.
+            stream waits for it just before ``add`` is first read: after kernel B in the default
+            "sum" combine (so kernels A and B overlap its producer), before kernel B in the
+            "atomic" one (which accumulates onto a copy of ``add``; only moe_align and kernel A
+            overlap), as :func:`memra.kernels.moe_decode.moe_decode`.
 
     Returns: y [T, D] in x.dtype. No host syncs; every shape depends only on (T, k, E, D, I,
     config), so moe_align + both kernels can be captured in a CUDA graph (scratch from the

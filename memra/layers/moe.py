@@ -19,7 +19,9 @@ How it runs is chosen here, per call:
   memra/kernels/moe_prefill.py above (``grouped_decode_config`` up to ``GROUPED_DECODE_MAX_T``
   tokens: 16-row pair blocks, deterministic combine; the prefill tiles beyond); the routed sum
   includes the shared expert's output (``add``), which runs on a second CUDA stream while the
-  router and the routed experts run (:attr:`MoE.overlap_shared`).
+  router and the routed experts run (:attr:`MoE.overlap_shared`; with the default deterministic
+  "sum" combine both routed-expert kernels overlap it, with the "atomic" combine only the
+  grouping and the first kernel do).
 """
 
 from __future__ import annotations
@@ -207,24 +209,33 @@ class MoE(KernelLayer):
         if not self.kernels:
             y = self.experts(h, *self.route(h))
             return y if self.shared is None else y + self.shared(h)
-        shared, side = None, None
         if self.shared is not None and self.overlap_shared and h.is_cuda:
-            # fork: the shared expert on a side stream while the router, the grouping and both
-            # routed-expert kernels run on this one; the join (``add_stream``) comes just before the
-            # combine that adds its output. Buffers are safe without record_stream: ``h`` (read by
-            # the side stream) is held by the caller past the join; the side stream's own buffers
-            # return to its pool, and every later use of that stream starts behind another fork
-            # (it waits for this stream, which has joined it).
-            main, side = torch.cuda.current_stream(h.device), _side_stream(h.device)
-            side.wait_stream(main)
+            return self._forward_overlapped(h)
+        index, weight = self.route(h)
+        shared = None if self.shared is None else self.shared(h)
+        return self.experts(h, index, weight, shared)  # the routed combine adds ``shared``
+
+    def _forward_overlapped(self, h: torch.Tensor) -> torch.Tensor:
+        """forward with the shared expert on a side stream (fork), joined just before the
+        routed combine that adds its output (``add_stream``). Buffers are safe without
+        record_stream: ``h`` (read by the side stream) is held by the caller past the join; the
+        side stream's own buffers return to its pool, and every later use of that stream starts
+        behind another fork (it waits for this stream, which has joined it). An error after the
+        fork (out of memory, a kernel that fails to compile) still joins the side stream before it
+        propagates, so no later work on this stream races the shared expert."""
+        main, side = torch.cuda.current_stream(h.device), _side_stream(h.device)
+        side.wait_stream(main)
+        try:
             with torch.cuda.stream(side):
                 shared = self.shared(h)
             index, weight = self.route(h)
-        else:
-            index, weight = self.route(h)
-            if self.shared is not None:
-                shared = self.shared(h)
-        return self.experts(h, index, weight, shared, side)  # the routed combine adds ``shared``
+            return self.experts(h, index, weight, shared, side)
+        except BaseException:
+            try:
+                main.wait_stream(side)
+            except Exception:  # noqa: BLE001 (a failed join must not hide the error that caused it)
+                pass
+            raise
 
     @property
     def tokens_per_expert(self) -> torch.Tensor | None:
