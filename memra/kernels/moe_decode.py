@@ -485,18 +485,17 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
     rows) x 512 per gate+up program and 64 rows x 256 per down program with prefetch (197 / 80
     registers); at T >= 2 chunks of up to 2 tokens and no prefetch (188 / 124 registers, no
     spills: with prefetch or 4-token chunks these tiles spill and ran 14 % slower at T = 2).
-    fp8 (D, I multiples of 16): the fp16x2 path, 32 act columns (64 weight rows) x 256 codes per
+    fp8 (D, I multiples of 16): the fp16x2 path, 16 act columns (32 weight rows) x 256 codes per
     gate+up program, 64 rows x 256 per down program (H200 A/B at the flagship shape,
-    benchmarks/results/issue14/fp8-moe-ab-h200.json: 44.9 vs 67.9 µs for the fp32 path at T = 1,
-    83.4 vs 118.8 at 2, 140.8 vs 266.0 at 4; 16 act columns measured 3-8 % faster at T = 1, 2 but
-    has not run the GPU tests yet). Other formats: fp32 FMAs on 8 act columns (16 rows) x 256
+    benchmarks/results/issue14/fp8-moe-ab-h200.json: with 32 act columns 44.9 vs 67.9 µs for the
+    fp32 path at T = 1, 83.4 vs 118.8 at 2, 140.8 vs 266.0 at 4; 16 act columns 43.6, 76.5, 140.4). Other formats: fp32 FMAs on 8 act columns (16 rows) x 256
     and 16 rows x 256, as gemv's CUDA-core defaults, chunks of up to 4 tokens."""
     if fmt == "nvfp4":
         nc = 1 if t == 1 else 2
         ba, bk1, bn, bk2, pf = 32, 512, 64, 256, t == 1
     elif fmt == "fp8" and d % 16 == 0 and i % 16 == 0:  # fp16x2 path (benchmarks/fp8_moe_ab.py)
         nc = 1 if t == 1 else 2
-        ba, bk1, bn, bk2, pf = 32, 256, 64, 256, t == 1
+        ba, bk1, bn, bk2, pf = 16, 256, 64, 256, t == 1
     else:
         nc = 1 if t == 1 else (2 if t == 2 else 4)
         ba, bk1, bn, bk2, pf = 8, 256, 16, 256, True
