@@ -317,6 +317,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.sweep:
         for fmt in a.fmt.split(","):
             out += moe_config_sweep(tuple(int(v) for v in a.t.split(",")), fmt)
+        for key in sorted({(r["fmt"], r["t"]) for r in out}):
+            rows = [r for r in out if (r["fmt"], r["t"]) == key]
+            ok = [r for r in rows if r.get("correct")]
+            bad = len(rows) - len(ok)
+            best = min(ok, key=lambda r: r["us"]) if ok else None
+            print(f"{key[0]} T={key[1]}: fastest correct " + (f"{best['us']:.1f} us {best['config']}" if best else "none")
+                  + (f"; {bad} configuration(s) wrong or failed against moe_decode_ref (not counted)" if bad else ""))
         if a.json_out:
             with open(a.json_out, "w") as f:
                 json.dump(out, f, indent=1)
