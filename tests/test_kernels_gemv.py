@@ -112,6 +112,8 @@ _CASES = [
     (3, GemvConfig(8, 64, 3, False)),
     (1, GemvConfig(16, 64, 1, True)),
     (5, GemvConfig(16, 128, 2, True)),
+    (40, GemvConfig(16, 128, 2, True)),  # one 64-column tile (T > 16): W read once
+    (64, GemvConfig(32, 64, 1, True)),
     (16, GemvConfig(32, 64, 1, True)),
     (1, GemvConfig(8, 64, 2, False, prefetch=True)),  # register double buffering, split-K
     (4, GemvConfig(16, 128, 1, False, prefetch=True)),
@@ -244,8 +246,10 @@ def test_kernel_errors():
     w = _weights(8, 64)["bf16"]
     with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
         decode_linear(torch.randn(1, 32), w)
-    with pytest.raises(ValueError, match="1..16"):
-        decode_linear(torch.randn(17, 64), w)
+    with pytest.raises(ValueError, match="1..64"):
+        decode_linear(torch.randn(65, 64), w)
+    with pytest.raises(ValueError, match="T <= 4"):
+        decode_linear(torch.randn(17, 64), _weights(8, 64)["q8_0"], config=GemvConfig(8, 64, 1, False))
     with pytest.raises(ValueError, match="multiple of 32"):
         decode_linear(torch.randn(1, 64), _weights(8, 64)["q8_0"], config=GemvConfig(8, 16))
     with pytest.raises(ValueError, match="T <= 4"):
@@ -269,7 +273,7 @@ def test_gpu_real_shapes(fmt, n, k):
     g = torch.Generator(device="cuda").manual_seed(n * 7 + k)
     w = _random_weight(fmt, n, k, g, torch.device("cuda"))
     wd = dequantize_packed(w)
-    for t in (1, 2, 4, 8, 16):
+    for t in (1, 2, 4, 8, 16, 40, 64):
         x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
         yr = x.float() @ wd.T
         y = decode_linear(x, w)

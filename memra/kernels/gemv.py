@@ -102,7 +102,12 @@ __all__ = [
 
 FORMATS = ("bf16", "fp8", "nvfp4", "q8_0")
 _GS = {"bf16": 8, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # weights per inner group (one vector / one scale)
-MAX_T = 16
+#: Most columns (tokens) one decode_linear call takes. T <= 16: the tuned table's buckets (CUDA
+#: cores up to 4, tensor cores above); 16 < T <= 64: tensor cores with one program's tile covering
+#: all T columns (BT = 32 or 64), so the weights are still read once (in 16-column slices they were
+#: read T / 16 times: an FP8-attention flagship step at batch 64 took 2.7x the bf16 one's attention).
+MAX_T = 64
+_TABLE_MAX_T = 16  # the largest T bucket of the tuned table; wider T reuse its tensor-core entry
 
 
 def packed_nbytes(data: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -391,15 +396,17 @@ def load_config_table(path: str | None = None) -> dict[str, GemvConfig]:
 
 
 def _bucket_t(t: int) -> int:
-    """T rounded up to 1, 2, 4, 8 or 16 (the tuned table's key and the FMA path's BT)."""
+    """T rounded up to a power of two: 1, 2, 4, 8, 16 (the tuned table's keys and the FMA path's BT),
+    32 or 64."""
     return 1 if t <= 1 else 1 << (t - 1).bit_length()
 
 
 def pick_config(fmt: str, n: int, k: int, t: int, device: torch.device) -> GemvConfig:
-    """The tuned configuration for (fmt, N, K, T bucket), else :func:`default_config`."""
+    """The tuned configuration for (fmt, N, K, T bucket; T > 16 uses the 16 bucket's entry if it is a
+    tensor-core one), else :func:`default_config`."""
     table = load_config_table()
-    key = f"{fmt}:{n}:{k}:{_bucket_t(t)}"
-    if key in table:
+    key = f"{fmt}:{n}:{k}:{min(_bucket_t(t), _TABLE_MAX_T)}"
+    if key in table and (t <= _TABLE_MAX_T or table[key].dot or table[key].library):
         return table[key]
     return default_config(fmt, n, k, t, _sm_count(device))
 
@@ -437,7 +444,8 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
     """``y = x @ W^T`` with ``W`` read in its packed format by one Triton kernel.
 
     Args:
-        x: activations [T, K], 1 <= T <= 16, bf16 (GPU), fp16 or fp32; contiguous rows.
+        x: activations [T, K], 1 <= T <= 64 (:data:`MAX_T`; T > 4 only on tensor cores, ``dot``),
+            bf16 (GPU), fp16 or fp32; contiguous rows.
         w: :class:`DecodeWeight` [N, K] on the same device.
         out_dtype: fp32 or bf16 (fp16 also accepted). With ``split_k > 1`` the kernel adds
             fp32 partial sums atomically (summation order varies from run to run within fp32
@@ -468,7 +476,7 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
         raise ValueError(f"decode_linear: dot=False handles T <= 4 columns, got T = {t}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    bt = 16 if cfg.dot else _bucket_t(t)
+    bt = max(16, _bucket_t(t)) if cfg.dot else _bucket_t(t)  # one tile covers every column: W read once
     bk = cfg.bk
     steps = -(-k // bk)
     split = min(cfg.split_k, steps)

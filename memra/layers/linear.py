@@ -351,16 +351,13 @@ def pack_for_gpu(parts: list, device: torch.device | str, name: str = "") -> Dec
     return pack_bf16(dense, name).to(device)
 
 
-_MAX_T_CHUNKS = 4  # up to 4 x 16 columns through the decode kernel; wider inputs are dequantized
-
-
 def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ b) with ``W`` packed on the GPU; x [..., K] -> [..., N] in x.dtype.
 
-    bf16 weights: cuBLAS. Other formats: the decode kernel (memra/kernels/gemv.py) in slices
-    of up to 16 rows of x (each slice reads W once) for up to 64 rows; more rows (prefill):
-    W dequantized to x.dtype for the call, then cuBLAS (the grouped prefill GEMMs are
-    separate work). Capturable in a CUDA graph (no host synchronisation).
+    bf16 weights: cuBLAS. Other formats: one decode kernel launch (memra/kernels/gemv.py, W read
+    once) for up to :data:`~memra.kernels.gemv.MAX_T` (64) rows of x; more rows (prefill): W
+    dequantized to x.dtype for the call, then cuBLAS (the grouped prefill GEMMs are separate
+    work). Capturable in a CUDA graph (no host synchronisation).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
@@ -369,11 +366,8 @@ def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = Non
         y = torch.nn.functional.linear(x2, w.data if x2.dtype == torch.bfloat16 else w.data.to(x2.dtype))
     elif t == 0:
         y = x2.new_empty(0, w.n)
-    elif t <= MAX_T * _MAX_T_CHUNKS:
-        if t <= MAX_T:
-            y = decode_linear(x2, w, out_dtype=x2.dtype)
-        else:
-            y = torch.cat([decode_linear(x2[i:i + MAX_T], w, out_dtype=x2.dtype) for i in range(0, t, MAX_T)])
+    elif t <= MAX_T:
+        y = decode_linear(x2, w, out_dtype=x2.dtype)
     else:
         y = torch.nn.functional.linear(x2, dequantize_packed(w).to(x2.dtype))
     if bias is not None:
