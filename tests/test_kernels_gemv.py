@@ -167,6 +167,23 @@ def test_kernel_default_config(fmt):
         assert float((y - yr).abs().max() / yr.abs().max()) < tol
 
 
+def test_pick_config_buckets_above_16(monkeypatch):
+    """T > 16: the tuned 32 / 64 bucket when the table has it; else the 16 bucket's entry only if
+    it is a tensor-core one (a CUDA-core tile takes T <= 4); else default_config."""
+    from memra.kernels import gemv
+
+    c16, c32, c64 = GemvConfig(32, 128, 4, True), GemvConfig(128, 128, 2, True, 8), GemvConfig(64, 64, 1, True)
+    fma16 = GemvConfig(16, 256, 1, False)
+    table = {"fp8:512:256:16": c16, "fp8:512:256:32": c32, "fp8:512:256:64": c64,
+             "fp8:1024:256:16": c16, "fp8:2048:256:16": fma16}
+    monkeypatch.setattr(gemv, "load_config_table", lambda path=None: table)
+    cpu = torch.device("cpu")
+    assert [gemv.pick_config("fp8", 512, 256, t, cpu) for t in (16, 17, 32, 33, 64)] == [c16, c32, c32, c64, c64]
+    assert gemv.pick_config("fp8", 1024, 256, 40, cpu) == c16
+    assert gemv.pick_config("fp8", 2048, 256, 40, cpu) == gemv.default_config("fp8", 2048, 256, 40, 132)
+    assert gemv.pick_config("fp8", 2048, 256, 40, cpu).dot
+
+
 def test_nvfp4_f16_activation_range():
     """The fp16x2 path scales x per program by a power of two (max |x| into [2^14, 2^15)):
     huge and tiny activations, a zero column, and N not a multiple of the row tile."""

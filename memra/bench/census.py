@@ -97,6 +97,8 @@ def _candidates(fmt: str, t: int):
         "q8_0": [(16, 256, 4), (8, 256, 4), (16, 512, 8), (32, 256, 4)],
     }[fmt]
     dot = [(32, 128, 4, 3), (64, 128, 4, 3)]
+    if t > 16:  # x tile [BT, bk] bf16 rivals the weight tile: taller weight tiles amortise its loads
+        dot += [(128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (256, 64, 8, 3)]
     if t <= 2 and fmt == "nvfp4":  # fp16x2 sub-block sums (f16); the fp32 path won only at tiny shapes
         out += [GemvConfig(bn, bk, s, False, nw, 2, f16=True, prefetch=True) for bn, bk, nw in
                 [(64, 512, 4), (128, 256, 4), (32, 512, 4)] for s in (1, 2, 4)]
@@ -299,7 +301,7 @@ def run_census(a: argparse.Namespace) -> dict:
     if a.table_out:
         write_config_table(a.table_out, table, props.name,
                            f"tuned by `memra bench census --tune` on {props.name} ({result['date']}); "
-                           "key fmt:N:K:T-bucket (T rounded up to 1, 2, 4, 8, 16)")
+                           "key fmt:N:K:T-bucket (T rounded up to 1, 2, 4, 8, 16, 32, 64)")
     return result
 
 
@@ -377,7 +379,7 @@ def add_census_args(p: argparse.ArgumentParser) -> None:
     """Add ``memra bench census``'s options to ``p``."""
     p.add_argument("--formats", default="bf16,fp8,nvfp4,q8_0", help="comma list of bf16,fp8,nvfp4,q8_0")
     p.add_argument("--tp", default="1,2", help="tensor-parallel shapes: comma list of 1,2")
-    p.add_argument("--t", default="1,2,4,8,16", help="decode widths (columns), each 1..16")
+    p.add_argument("--t", default="1,2,4,8,16", help="decode widths (columns), each 1..64")
     p.add_argument("--shapes", default="all", help="comma list of shape names, or all")
     p.add_argument("--tune", action="store_true", help="sweep launch configurations and keep the fastest")
     p.add_argument("--table-out", default=None, help="write the tuned configuration table (JSON) here")
@@ -403,8 +405,8 @@ def run_from_args(a: argparse.Namespace) -> int:
     Raises: SystemExit with a message for a bad --t / --formats value or without a CUDA GPU.
     """
     for v in a.t.split(","):
-        if not v.strip().isdigit() or not 1 <= int(v) <= 16:
-            raise SystemExit(f"memra bench census: --t: {v!r} is not an integer in 1..16")
+        if not v.strip().isdigit() or not 1 <= int(v) <= 64:
+            raise SystemExit(f"memra bench census: --t: {v!r} is not an integer in 1..64")
     res = run_census(a)
     print_table(res)
     if a.moe_t:

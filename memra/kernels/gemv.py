@@ -1,4 +1,4 @@
-"""Weight-resident decode linear kernels: ``y[t, n] = sum_k x[t, k] * W[n, k]`` for T = 1..16.
+"""Weight-resident decode linear kernels: ``y[t, n] = sum_k x[t, k] * W[n, k]`` for T = 1..64.
 
 Decode at small batch is memory-bound: the weight is read once per step and each weight
 byte meets only T activations. These kernels read ``W`` in its stored format (no
@@ -102,12 +102,13 @@ __all__ = [
 
 FORMATS = ("bf16", "fp8", "nvfp4", "q8_0")
 _GS = {"bf16": 8, "fp8": 16, "nvfp4": 16, "q8_0": 32}  # weights per inner group (one vector / one scale)
-#: Most columns (tokens) one decode_linear call takes. T <= 16: the tuned table's buckets (CUDA
-#: cores up to 4, tensor cores above); 16 < T <= 64: tensor cores with one program's tile covering
+#: Most columns (tokens) one decode_linear call takes. Tuned table buckets T = 1, 2, 4, 8, 16, 32, 64
+#: (CUDA cores up to 4, tensor cores above; a shape without a 32/64 entry takes its 16 entry's
+#: tensor-core tile); 16 < T <= 64: tensor cores with one program's tile covering
 #: all T columns (BT = 32 or 64), so the weights are still read once (in 16-column slices they were
 #: read T / 16 times: an FP8-attention flagship step at batch 64 took 2.7x the bf16 one's attention).
 MAX_T = 64
-_TABLE_MAX_T = 16  # the largest T bucket of the tuned table; wider T reuse its tensor-core entry
+_TABLE_MAX_T = 64  # the largest T bucket of the tuned table (buckets 1, 2, 4, 8, 16, 32, 64)
 
 
 def packed_nbytes(data: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -402,13 +403,14 @@ def _bucket_t(t: int) -> int:
 
 
 def pick_config(fmt: str, n: int, k: int, t: int, device: torch.device) -> GemvConfig:
-    """The tuned configuration for (fmt, N, K, T bucket; T > 16 uses the 16 bucket's entry if it is a
-    tensor-core one), else :func:`default_config`."""
+    """The tuned configuration for (fmt, N, K, T bucket), else, for T > 16 without a tuned 32 or 64
+    bucket, the 16 bucket's entry if it is a tensor-core or cuBLAS one, else :func:`default_config`."""
     table = load_config_table()
-    key = f"{fmt}:{n}:{k}:{min(_bucket_t(t), _TABLE_MAX_T)}"
-    if key in table and (t <= _TABLE_MAX_T or table[key].dot or table[key].library):
-        return table[key]
-    return default_config(fmt, n, k, t, _sm_count(device))
+    cfg = table.get(f"{fmt}:{n}:{k}:{min(_bucket_t(t), _TABLE_MAX_T)}")
+    if cfg is None and t > 16:
+        cfg = table.get(f"{fmt}:{n}:{k}:16")
+        cfg = cfg if cfg is not None and (cfg.dot or cfg.library) else None
+    return cfg if cfg is not None else default_config(fmt, n, k, t, _sm_count(device))
 
 
 # ---------------------------------------------------------------------------------------
