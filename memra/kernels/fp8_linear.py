@@ -1,0 +1,128 @@
+"""The FP8 block recipe for linear layers with FP8 block weights: activations quantized per
+token and 128-column group, E4M3 x E4M3 products on Hopper FP8 tensor cores.
+
+Math (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3 "FP8 training": 1x128
+activation tiles, 128x128 weight blocks, fp32 promotion every 128 K; the same recipe as the
+MoE prefill GEMMs' ``fp8_act``, memra/kernels/moe_prefill.py):
+
+- ``xs[t, g] = max(amax |x[t, 128g : 128g + 128]|, 1e-10) / 448`` and
+  ``xq[t, k] = e4m3_rne(clamp(x[t, k] / xs[t, k // 128], +-448))`` (``quantize_act_fp8_ref``);
+- ``y[t, n] = sum_g xs[t, g] ws[n // 128, g] sum_{k in group g} xq[t, k] w[n, k]``, each group's
+  inner sum one tensor-core product (Hopper accumulates FP8 MMA with ~14 bits: relative error
+  ~1e-4 against fp32 per group), the scaled group sums added in fp32.
+
+The activation rounding (3 mantissa bits) costs ~2-3 % relative error per product on random
+data, on top of the weights' own FP8 rounding (``decode_linear`` keeps bf16 activations).
+
+Why: at 16-64 tokens ``decode_linear`` on FP8 weights converts every weight tile to bf16 in
+registers for ``tl.dot`` and reaches 22-33 % of copy bandwidth, slower than cuBLAS on the bf16
+weights it halves; this path reads the codes straight into the FP8 MMA (H200, the four TP1
+attention shapes, ``python3 benchmarks/fp8_w8a8_probe.py``: 1.3-1.8x faster than bf16 cuBLAS and
+2-2.3x faster than ``decode_linear`` at T = 16, 32, 64, the quantization kernel included).
+:func:`memra.layers.linear.gpu_linear` takes it for FP8 weights from :data:`FP8_ACT_MIN_T`
+tokens (prefill included), so a token's projections depend on whether its step has fewer or
+more rows than that: the FP8 attention weights are not batch-invariant across that line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .gemv import DecodeWeight, dequantize_packed
+
+__all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_config", "fp8_act_linear",
+           "fp8_act_linear_ref"]
+
+FP8_ACT_MIN_T = 8
+"""Rows of x from which :func:`memra.layers.linear.gpu_linear` runs FP8 weights through
+:func:`fp8_act_linear` (below: ``decode_linear``'s bf16-activation GEMV). Measured crossover:
+benchmarks/results/issue14/fp8-w8a8-probe*.json."""
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Launch configuration of :func:`fp8_act_linear`: ``bn`` weight rows x ``bt`` tokens per
+    program, K split in ``split`` (1 or 2) parts, ``num_warps``, ``num_stages``."""
+
+    bn: int = 64
+    bt: int = 16
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bn not in (64, 128) or self.bt not in (16, 32, 64, 128) or self.split not in (1, 2):
+            raise ValueError(f"Fp8LinearConfig: bn in (64, 128), bt in (16, 32, 64, 128) and split in (1, 2); got {self}")
+
+
+def fp8_act_supported(w: DecodeWeight) -> bool:
+    """True when ``w`` can run the recipe: FP8 block weights with K a multiple of 128."""
+    return w.fmt == "fp8" and w.k % 128 == 0
+
+
+def fp8_linear_config(t: int, n: int, k: int, sm_count: int = 132) -> Fp8LinearConfig:
+    """The tile rule (H200 sweep of benchmarks/fp8_w8a8_probe.py at the attention shapes):
+    ``bt`` = T rounded up to a power of two in 16..64; ``bn`` 64 up to 32 tokens, else 128; the K
+    range split in two when the tiles alone leave SMs idle (``split`` 1 or 2 only: adding two
+    partial sums to a zeroed fp32 output is exact in either order, so the result stays
+    deterministic; 4 measured up to 15 % faster on 4096-row outputs but is not)."""
+    bt = min(64, max(16, 1 << (max(t, 1) - 1).bit_length()))
+    bn = 64 if t <= 32 else 128
+    tiles = -(-n // bn) * -(-t // bt)
+    split = 2 if tiles < sm_count and k % 256 == 0 else 1
+    return Fp8LinearConfig(bn=bn, bt=bt, split=split)
+
+
+def fp8_act_linear_ref(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
+    """The torch twin of :func:`fp8_act_linear`: x [T, K] quantized exactly as the kernel does
+    (``quantize_act_fp8_ref``), dequantized, times the dequantized weight, in fp32 -> [T, N]."""
+    from .moe_prefill import quantize_act_fp8_ref
+
+    q, s = quantize_act_fp8_ref(x)
+    t, k = x.shape
+    xd = (q.float().reshape(t, k // 128, 128) * s[..., None]).reshape(t, k)
+    return xd @ dequantize_packed(w).t()
+
+
+def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = torch.float32,
+                   config: Fp8LinearConfig | None = None) -> torch.Tensor:
+    """y = x @ W^T by the FP8 block recipe (module docstring), on the GPU.
+
+    Args:
+        x: [T, K] bf16/fp16/fp32 activations (T >= 1), on W's device.
+        w: FP8 block weight (``DecodeWeight`` fmt ``"fp8"``, codes [N, K], scales [N/128, K/128]).
+        out_dtype: dtype of y.
+        config: launch configuration (default :func:`fp8_linear_config`).
+    Returns: y [T, N] in ``out_dtype``. Two launches (quantization, GEMM), four with ``split`` 2
+    (zeroing, cast); capturable in a CUDA graph.
+    Raises: ValueError for another format, K not a multiple of 128, or a shape mismatch.
+    """
+    if not fp8_act_supported(w):
+        raise ValueError(f"fp8_act_linear({w.name!r}): needs an fp8 weight with K a multiple of 128, got "
+                         f"{w.fmt} [{w.n}, {w.k}]")
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"fp8_act_linear({w.name!r}): x must be [T, {w.k}], got {tuple(x.shape)}")
+    from ._fp8_linear_triton import _fp8_linear_kernel
+    from ._moe_prefill_triton import _act_quant_kernel
+    from .gemv import _sm_count, interpret_mode
+
+    t, k = x.shape
+    n = w.n
+    cfg = config or fp8_linear_config(t, n, k, _sm_count(x.device))
+    x = x.contiguous()
+    xq = torch.empty(t, k, device=x.device, dtype=torch.float8_e4m3fn)
+    xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
+    qbt = 16
+    _act_quant_kernel[(-(-t // qbt), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
+                                                BT=qbt, EXACT=interpret_mode(), num_warps=4)
+    split = cfg.split if k % (128 * cfg.split) == 0 else 1
+    y = torch.zeros(t, n, device=x.device, dtype=torch.float32) if split > 1 else \
+        torch.empty(t, n, device=x.device, dtype=out_dtype)
+    grid = (-(-n // cfg.bn), split, -(-t // cfg.bt))
+    _fp8_linear_kernel[grid](xq, xs, w.data, w.scale, y, t, n, k // split,
+                             xq.stride(0), xs.stride(0), w.data.stride(0), w.scale.stride(0), y.stride(0),
+                             BN=cfg.bn, BT=cfg.bt, ATOMIC=split > 1, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
