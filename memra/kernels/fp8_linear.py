@@ -19,9 +19,11 @@ registers for ``tl.dot`` and reaches 22-33 % of copy bandwidth, slower than cuBL
 weights it halves; this path reads the codes straight into the FP8 MMA (H200, the four TP1
 attention shapes, ``python3 benchmarks/fp8_w8a8_probe.py``: 1.3-1.8x faster than bf16 cuBLAS and
 2-2.3x faster than ``decode_linear`` at T = 16, 32, 64, the quantization kernel included).
-:func:`memra.layers.linear.gpu_linear` takes it for FP8 weights from :data:`FP8_ACT_MIN_T`
-tokens (prefill included), so a token's projections depend on whether its step has fewer or
-more rows than that: the FP8 attention weights are not batch-invariant across that line.
+Not yet on the model's path: :func:`memra.layers.linear.gpu_linear` is to take it for FP8
+weights from :data:`FP8_ACT_MIN_T` rows (prefill included) once the GPU test suite has run with
+that dispatch (no GPU could be had in the session that wrote it). A token's projections would
+then depend on whether its step has fewer or more rows than that: FP8 attention weights would
+not be batch-invariant across that line.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ __all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_
            "fp8_act_linear_ref"]
 
 FP8_ACT_MIN_T = 8
-"""Rows of x from which :func:`memra.layers.linear.gpu_linear` runs FP8 weights through
-:func:`fp8_act_linear` (below: ``decode_linear``'s bf16-activation GEMV). Measured crossover:
+"""Rows of x from which FP8 weights are to run through :func:`fp8_act_linear` (below:
+``decode_linear``'s bf16-activation GEMV; not yet wired into gpu_linear, see above). Measured crossover:
 benchmarks/results/issue14/fp8-w8a8-probe*.json."""
 
 
