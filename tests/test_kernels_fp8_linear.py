@@ -1,10 +1,13 @@
 """The FP8 block-recipe linear (memra/kernels/fp8_linear.py) against its torch twin.
 
 CPU (CI): the Triton kernels under the interpreter (TRITON_INTERPRET=1) at small shapes, where
-the twin is matched to fp32 summation order (the activation codes are exact: the quantization
-kernel's EXACT mode rounds to nearest even as the GPU does). GPU: the flagship's attention
-shapes, where Hopper's FP8 MMA accumulates each 128-K product with ~14 bits (relative error
-~2e-4 of the output's largest value measured on the H200).
+the twin is matched to fp32 summation order and the activation codes equal quantize_act_fp8_ref's.
+GPU: the quantization kernel's scale ``amax / 448`` is Triton's approximate fp32 division (the
+H100 run of 2026-12-06 found scales an ulp apart from torch's, and so a few codes one E4M3 step
+apart: benchmarks/results/issue14/gpu-tests-fp8-5c7d482-h100-kernel.log), so the GEMM is checked
+against the twin of the codes the kernel produced, and the codes against the reference within
+one step; Hopper's FP8 MMA accumulates each 128-K product with ~14 bits (relative error ~2e-4
+of the output's largest value measured on the H200).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def test_matches_twin(t, n, k, cfg):
     w = _fp8_weight(n, k, seed=t + n)
     x = _x(t, k, seed=k + t)
     y = fp8_act_linear(x, w, config=cfg)
-    ref = fp8_act_linear_ref(x.float().cpu(), w.to("cpu"))
+    ref = _twin_of_kernel_codes(x, w)
     assert y.shape == (t, n) and y.dtype == torch.float32 and torch.isfinite(y).all()
     assert _rel(y, ref) < TOL, (t, n, k, cfg, _rel(y, ref))
     # the activation rounding is real (3 mantissa bits): the bf16-activation result differs by ~1e-2
@@ -71,22 +74,48 @@ def test_matches_twin(t, n, k, cfg):
     assert 1e-3 < _rel(y, exact_x) < 0.1
     yb = fp8_act_linear(x, w, out_dtype=torch.bfloat16, config=cfg)
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 1e-2
+    # and against the reference quantization (codes at most one step apart on the GPU)
+    assert _rel(y, fp8_act_linear_ref(x.float().cpu(), w.to("cpu"))) < (1e-2 if DEV == "cuda" else TOL)
 
 
-def test_quantized_codes_are_the_twins():
-    """The activation codes and scales that reach the GEMM are exactly quantize_act_fp8_ref's."""
+def _kernel_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation codes and scales exactly as fp8_act_linear makes them (its launch)."""
     from memra.kernels._moe_prefill_triton import _act_quant_kernel
     from memra.kernels.gemv import interpret_mode
 
+    t, k = x.shape
+    xq = torch.empty(t, k, device=x.device, dtype=torch.float8_e4m3fn)
+    xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
+    _act_quant_kernel[(-(-t // 16), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0), BT=16,
+                                               EXACT=interpret_mode(), num_warps=4)
+    return xq, xs
+
+
+def _twin_of_kernel_codes(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
+    """fp32 twin of the GEMM on the codes the quantization kernel produced."""
+    from memra.kernels.gemv import dequantize_packed
+
+    xq, xs = _kernel_codes(x)
+    t, k = x.shape
+    xd = (xq.float().reshape(t, k // 128, 128) * xs[..., None]).reshape(t, k)
+    return (xd @ dequantize_packed(w).t()).cpu()
+
+
+def test_quantized_codes_are_the_twins():
+    """The activation codes and scales that reach the GEMM are quantize_act_fp8_ref's: exactly
+    under the interpreter; on the GPU scales within 2 ulp and codes at most one E4M3 step apart."""
     t, k = 7, 384
     x = _x(t, k, seed=3)
-    xq = torch.empty(t, k, device=DEV, dtype=torch.float8_e4m3fn)
-    xs = torch.empty(t, k // 128, device=DEV, dtype=torch.float32)
-    _act_quant_kernel[(1, k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0), BT=16,
-                                     EXACT=interpret_mode(), num_warps=4)
+    xq, xs = _kernel_codes(x)
     rq, rs = quantize_act_fp8_ref(x.float().cpu())
-    assert torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8))
-    assert torch.equal(xs.cpu(), rs)
+    if DEV == "cpu":
+        assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(xs, rs)
+    else:
+        assert float(((xs.cpu() - rs).abs() / rs).max()) <= 2.5e-7
+        a, b = xq.cpu().float(), rq.float()
+        assert bool(((a - b).abs() <= b.abs() * 2.0**-3 + 2.0**-9).all())
+        assert float((a != b).float().mean()) < 0.01
 
 
 def test_rows_do_not_depend_on_each_other():
@@ -143,6 +172,6 @@ def test_gpu_attention_shapes(n, k):
     for t in (8, 16, 33, 64, 300):
         x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
         y = fp8_act_linear(x, w, out_dtype=torch.bfloat16)
-        ref = fp8_act_linear_ref(x.float(), w)
+        ref = _twin_of_kernel_codes(x, w)
         assert torch.isfinite(y).all() and _rel(y, ref) < 1e-2, (n, k, t, _rel(y, ref))  # bf16 output rounding
         assert _rel(fp8_act_linear(x, w), ref) < TOL, (n, k, t)
