@@ -59,6 +59,8 @@ TOL = 1e-3 if DEV == "cuda" else 1e-5
 @pytest.mark.parametrize("t,n,k,cfg", [
     (1, 320, 384, Fp8LinearConfig(64, 16, 1)),
     (5, 320, 384, Fp8LinearConfig(64, 16, 1)),
+    (5, 200, 256, Fp8LinearConfig(64, 16, 1)),  # N not a tile multiple without the split: the store mask
+    (9, 129, 384, None),  # the default rule (fp8_linear_config)
     (20, 200, 256, Fp8LinearConfig(64, 32, 2)),  # K split in two (atomics into zeros), N not a tile multiple
     (40, 136, 512, Fp8LinearConfig(128, 16, 2)),  # three T tiles, the last partial
 ])
@@ -120,7 +122,8 @@ def test_quantized_codes_are_the_twins():
 
 def test_rows_do_not_depend_on_each_other():
     """A token's row is the same bits whichever other tokens share the call (same tile shape),
-    and a split-in-two K gives the same bits on every run (two partial sums into zeros)."""
+    and a split-in-two K gives the same bits on every run (two partial sums into zeros; only the
+    GPU runs the two halves concurrently, the interpreter one after the other)."""
     n, k = 192, 512
     w = _fp8_weight(n, k, seed=11)
     x = _x(24, k, seed=12)
@@ -148,6 +151,8 @@ def test_errors():
     w = _fp8_weight(64, 256, seed=1)
     with pytest.raises(ValueError, match=r"x must be \[T, 256\]"):
         fp8_act_linear(_x(3, 128, 0), w)
+    with pytest.raises(ValueError, match="floating point"):
+        fp8_act_linear(torch.ones(3, 256, dtype=torch.int32, device=DEV), w)
     b = pack_bf16(torch.randn(64, 256)).to(DEV)
     assert not fp8_act_supported(b)
     with pytest.raises(ValueError, match="needs an fp8 weight"):

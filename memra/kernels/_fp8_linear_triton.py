@@ -25,11 +25,12 @@ def _fp8_linear_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, k_per_split,
     n_ok = rn < N
     t_ok = rt < T
     rt64 = rt.to(tl.int64)
+    rn64 = rn.to(tl.int64)  # N * K may pass 2^31 (a head of 128896 x 16384)
     k_lo = pid_k * k_per_split
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, 128):
         rk = k0 + tl.arange(0, 128)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + rn64[:, None] * stride_w + rk[None, :], mask=n_ok[:, None], other=0.0)
         xq = tl.load(xq_ptr + rt64[:, None] * stride_xq + rk[None, :], mask=t_ok[:, None], other=0.0)
         ws = tl.load(ws_ptr + (rn // 128) * stride_ws + k0 // 128, mask=n_ok, other=0.0)
         xs = tl.load(xs_ptr + rt64 * stride_xs + k0 // 128, mask=t_ok, other=0.0)

@@ -22,8 +22,10 @@ attention shapes, ``python3 benchmarks/fp8_w8a8_probe.py``: 1.3-1.8x faster than
 Not yet on the model's path: :func:`memra.layers.linear.gpu_linear` is to take it for FP8
 weights from :data:`FP8_ACT_MIN_T` rows (prefill included) once the GPU test suite has run with
 that dispatch (no GPU could be had in the session that wrote it). A token's projections would
-then depend on whether its step has fewer or more rows than that: FP8 attention weights would
-not be batch-invariant across that line.
+then depend on the number of rows of its step: across that line (bf16 vs FP8 activations), and
+above it wherever :func:`fp8_linear_config` picks another tile or K split for another T (the
+same math, summed in another order: ~1e-7 relative). A row does not depend on the values of the
+other rows at one configuration. NaN in x does not propagate (the quantization's max drops it).
 """
 
 from __future__ import annotations
@@ -99,13 +101,17 @@ def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = to
         config: launch configuration (default :func:`fp8_linear_config`).
     Returns: y [T, N] in ``out_dtype``. Two launches (quantization, GEMM), four with ``split`` 2
     (zeroing, cast); capturable in a CUDA graph.
-    Raises: ValueError for another format, K not a multiple of 128, or a shape mismatch.
+    Raises: ValueError for another format, K not a multiple of 128, a shape mismatch, or x not
+    floating point on W's device.
     """
     if not fp8_act_supported(w):
         raise ValueError(f"fp8_act_linear({w.name!r}): needs an fp8 weight with K a multiple of 128, got "
                          f"{w.fmt} [{w.n}, {w.k}]")
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"fp8_act_linear({w.name!r}): x must be [T, {w.k}], got {tuple(x.shape)}")
+    if not x.is_floating_point() or x.device != w.device:
+        raise ValueError(f"fp8_act_linear({w.name!r}): x must be floating point on {w.device}, got {x.dtype} "
+                         f"on {x.device}")
     from ._fp8_linear_triton import _fp8_linear_kernel
     from ._moe_prefill_triton import _act_quant_kernel
     from .gemv import _sm_count, interpret_mode
