@@ -21,21 +21,12 @@ import sys
 import torch
 
 
-def random_fp8_weight(n: int, k: int, gen, dev):
-    from memra.kernels.gemv import DecodeWeight
-
-    codes = (torch.randn(n, k, generator=gen, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen, device=dev) * 2e-4 + 1e-4
-    return DecodeWeight("fp8", n, k, codes, scale, "probe")
-
-
-
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_w8a8_probe.py needs a CUDA GPU")
     out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fp8-w8a8-probe.json"
     sweep = "--sweep" in sys.argv
-    from memra.bench.census import shapes_for
+    from memra.bench.census import _random_weight, shapes_for
     from memra.bench.common import copy_bandwidth, cuda_graph_us
     from memra.kernels import gemv
     from memra.kernels.fp8_linear import Fp8LinearConfig, fp8_act_linear, fp8_act_linear_ref, fp8_linear_config
@@ -49,9 +40,9 @@ def main() -> None:
     rows = []
     for shp in [s for s in shapes_for(1) if s["name"] in ("qkvg_full", "o_full", "qkvg_swa", "o_swa")]:
         n, k = shp["n"], shp["k"]
-        w0 = random_fp8_weight(n, k, gen, dev)
+        w0 = _random_weight("fp8", n, k, gen, dev)
         ncop = max(2, math.ceil(256e6 / (n * k)))
-        ws = [w0] + [random_fp8_weight(n, k, gen, dev) for _ in range(ncop - 1)]
+        ws = [w0] + [_random_weight("fp8", n, k, gen, dev) for _ in range(ncop - 1)]
         wb = [(torch.randn(n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16) for _ in range(max(2, ncop // 2))]
         for t in (1, 2, 4, 8, 16, 32, 64, 512, 2048):
             x = torch.randn(t, k, generator=gen, device=dev).to(torch.bfloat16)

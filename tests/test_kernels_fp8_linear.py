@@ -26,9 +26,10 @@ from memra.kernels.fp8_linear import (  # noqa: E402
     fp8_act_linear_ref,
     fp8_act_supported,
     fp8_linear_config,
+    quantize_act_fp8,
 )
-from memra.kernels.gemv import DecodeWeight, decode_linear_ref, pack_bf16, pack_fp8  # noqa: E402
-from memra.kernels.moe_prefill import quantize_act_fp8_ref  # noqa: E402
+from memra.kernels.gemv import DecodeWeight, decode_linear_ref, dequantize_packed, pack_bf16, pack_fp8  # noqa: E402
+from memra.kernels.moe_prefill import dequantize_act_fp8_ref, quantize_act_fp8_ref  # noqa: E402
 from memra.quant.fp8 import quantize_fp8_block  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -80,27 +81,9 @@ def test_matches_twin(t, n, k, cfg):
     assert _rel(y, fp8_act_linear_ref(x.float().cpu(), w.to("cpu"))) < (1e-2 if DEV == "cuda" else TOL)
 
 
-def _kernel_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation codes and scales exactly as fp8_act_linear makes them (its launch)."""
-    from memra.kernels._moe_prefill_triton import _act_quant_kernel
-    from memra.kernels.gemv import interpret_mode
-
-    t, k = x.shape
-    xq = torch.empty(t, k, device=x.device, dtype=torch.float8_e4m3fn)
-    xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
-    _act_quant_kernel[(-(-t // 16), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0), BT=16,
-                                               EXACT=interpret_mode(), num_warps=4)
-    return xq, xs
-
-
 def _twin_of_kernel_codes(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
     """fp32 twin of the GEMM on the codes the quantization kernel produced."""
-    from memra.kernels.gemv import dequantize_packed
-
-    xq, xs = _kernel_codes(x)
-    t, k = x.shape
-    xd = (xq.float().reshape(t, k // 128, 128) * xs[..., None]).reshape(t, k)
-    return (xd @ dequantize_packed(w).t()).cpu()
+    return (dequantize_act_fp8_ref(*quantize_act_fp8(x)) @ dequantize_packed(w).t()).cpu()
 
 
 def test_quantized_codes_are_the_twins():
@@ -108,7 +91,7 @@ def test_quantized_codes_are_the_twins():
     under the interpreter; on the GPU scales within 2 ulp and codes at most one E4M3 step apart."""
     t, k = 7, 384
     x = _x(t, k, seed=3)
-    xq, xs = _kernel_codes(x)
+    xq, xs = quantize_act_fp8(x)
     rq, rs = quantize_act_fp8_ref(x.float().cpu())
     if DEV == "cpu":
         assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
@@ -151,6 +134,8 @@ def test_errors():
     w = _fp8_weight(64, 256, seed=1)
     with pytest.raises(ValueError, match=r"x must be \[T, 256\]"):
         fp8_act_linear(_x(3, 128, 0), w)
+    with pytest.raises(ValueError, match="K a multiple of 128"):
+        quantize_act_fp8(torch.ones(2, 200, device=DEV))
     with pytest.raises(ValueError, match="floating point"):
         fp8_act_linear(torch.ones(3, 256, dtype=torch.int32, device=DEV), w)
     b = pack_bf16(torch.randn(64, 256)).to(DEV)

@@ -36,8 +36,8 @@ import torch
 
 from .gemv import DecodeWeight, dequantize_packed
 
-__all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_config", "fp8_act_linear",
-           "fp8_act_linear_ref"]
+__all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_config", "quantize_act_fp8",
+           "fp8_act_linear", "fp8_act_linear_ref"]
 
 FP8_ACT_MIN_T = 8
 """Rows of x from which FP8 weights are to run through :func:`fp8_act_linear` (below:
@@ -80,14 +80,36 @@ def fp8_linear_config(t: int, n: int, k: int, sm_count: int = 132) -> Fp8LinearC
 
 
 def fp8_act_linear_ref(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
-    """The torch twin of :func:`fp8_act_linear`: x [T, K] quantized exactly as the kernel does
+    """The torch twin of :func:`fp8_act_linear`: x [T, K] quantized as the kernel does
     (``quantize_act_fp8_ref``), dequantized, times the dequantized weight, in fp32 -> [T, N]."""
-    from .moe_prefill import quantize_act_fp8_ref
+    from .moe_prefill import _fp8_roundtrip
 
-    q, s = quantize_act_fp8_ref(x)
+    return _fp8_roundtrip(x) @ dequantize_packed(w).t()
+
+
+def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization of the recipe on x's device (the FP8 MoE prefill's kernel).
+
+    Args: x [T, K] floating point, K a multiple of 128 (T >= 1).
+    Returns: (codes float8_e4m3fn [T, K], scales fp32 [T, K // 128]): ``s = max(amax, 1e-10) / 448``
+    per 1x128 group, ``code = e4m3_rne(clamp(x / s, +-448))``, as ``quantize_act_fp8_ref`` except
+    that on the GPU ``amax / 448`` is Triton's approximate division (scales may differ from torch's
+    by an ulp, so a few codes by one step). One launch; no host synchronisation.
+    Raises: ValueError for another shape.
+    """
+    if x.dim() != 2 or x.shape[1] % 128:
+        raise ValueError(f"quantize_act_fp8: x must be [T, K] with K a multiple of 128, got {tuple(x.shape)}")
+    from ._moe_prefill_triton import _act_quant_kernel
+    from .gemv import interpret_mode
+
+    x = x.contiguous()
     t, k = x.shape
-    xd = (q.float().reshape(t, k // 128, 128) * s[..., None]).reshape(t, k)
-    return xd @ dequantize_packed(w).t()
+    xq = torch.empty(t, k, device=x.device, dtype=torch.float8_e4m3fn)
+    xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
+    bt = 16
+    _act_quant_kernel[(-(-t // bt), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
+                                               BT=bt, EXACT=interpret_mode(), num_warps=4)
+    return xq, xs
 
 
 def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = torch.float32,
@@ -113,18 +135,12 @@ def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = to
         raise ValueError(f"fp8_act_linear({w.name!r}): x must be floating point on {w.device}, got {x.dtype} "
                          f"on {x.device}")
     from ._fp8_linear_triton import _fp8_linear_kernel
-    from ._moe_prefill_triton import _act_quant_kernel
-    from .gemv import _sm_count, interpret_mode
+    from .gemv import _sm_count
 
     t, k = x.shape
     n = w.n
     cfg = config or fp8_linear_config(t, n, k, _sm_count(x.device))
-    x = x.contiguous()
-    xq = torch.empty(t, k, device=x.device, dtype=torch.float8_e4m3fn)
-    xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
-    qbt = 16
-    _act_quant_kernel[(-(-t // qbt), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
-                                                BT=qbt, EXACT=interpret_mode(), num_warps=4)
+    xq, xs = quantize_act_fp8(x)
     split = cfg.split if k % (128 * cfg.split) == 0 else 1
     y = torch.zeros(t, n, device=x.device, dtype=torch.float32) if split > 1 else \
         torch.empty(t, n, device=x.device, dtype=out_dtype)

@@ -219,10 +219,15 @@ def quantize_act_fp8_ref(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(r, c), s
 
 
+def dequantize_act_fp8_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, C] values of per-1x128-group E4M3 codes ``q`` [R, C] with fp32 scales ``s``
+    [R, C // 128] (the inverse of :func:`quantize_act_fp8_ref` up to its rounding)."""
+    r, c = q.shape
+    return (q.float().reshape(r, c // 128, 128) * s.float()[..., None]).reshape(r, c)
+
+
 def _fp8_roundtrip(v: torch.Tensor) -> torch.Tensor:
-    q, s = quantize_act_fp8_ref(v)
-    r, c = v.shape
-    return (q.float().reshape(r, c // 128, 128) * s[..., None]).reshape(r, c)
+    return dequantize_act_fp8_ref(*quantize_act_fp8_ref(v))
 
 
 def moe_prefill_ref(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: ExpertBank,
