@@ -134,6 +134,8 @@ def test_errors():
     w = _fp8_weight(64, 256, seed=1)
     with pytest.raises(ValueError, match=r"x must be \[T, 256\]"):
         fp8_act_linear(_x(3, 128, 0), w)
+    with pytest.raises(TypeError, match="packed DecodeWeight"):
+        fp8_act_linear(_x(3, 256, 0), quantize_fp8_block(torch.randn(64, 256), name="raw"))
     with pytest.raises(ValueError, match="K a multiple of 128"):
         quantize_act_fp8(torch.ones(2, 200, device=DEV))
     with pytest.raises(ValueError, match="floating point"):

@@ -6,7 +6,8 @@ activation tiles, 128x128 weight blocks, fp32 promotion every 128 K; the same re
 MoE prefill GEMMs' ``fp8_act``, memra/kernels/moe_prefill.py):
 
 - ``xs[t, g] = max(amax |x[t, 128g : 128g + 128]|, 1e-10) / 448`` and
-  ``xq[t, k] = e4m3_rne(clamp(x[t, k] / xs[t, k // 128], +-448))`` (``quantize_act_fp8_ref``);
+  ``xq[t, k] = e4m3_rne(clamp(x[t, k] / xs[t, k // 128], +-448))`` (``quantize_act_fp8_ref`` in
+  memra/kernels/moe_prefill.py);
 - ``y[t, n] = sum_g xs[t, g] ws[n // 128, g] sum_{k in group g} xq[t, k] w[n, k]``, each group's
   inner sum one tensor-core product (Hopper accumulates FP8 MMA with ~14 bits: relative error
   ~1e-4 against fp32 per group), the scaled group sums added in fp32.
@@ -81,7 +82,8 @@ def fp8_linear_config(t: int, n: int, k: int, sm_count: int = 132) -> Fp8LinearC
 
 def fp8_act_linear_ref(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
     """The torch twin of :func:`fp8_act_linear`: x [T, K] quantized as the kernel does
-    (``quantize_act_fp8_ref``), dequantized, times the dequantized weight, in fp32 -> [T, N]."""
+    (``quantize_act_fp8_ref``), dequantized, times the dequantized weight, in fp32 -> [T, N].
+    Unlike the kernel it propagates NaN in x (torch's amax keeps it; the kernel's max drops it)."""
     from .moe_prefill import _fp8_roundtrip
 
     return _fp8_roundtrip(x) @ dequantize_packed(w).t()
@@ -90,7 +92,7 @@ def fp8_act_linear_ref(x: torch.Tensor, w: DecodeWeight) -> torch.Tensor:
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation quantization of the recipe on x's device (the FP8 MoE prefill's kernel).
 
-    Args: x [T, K] floating point, K a multiple of 128 (T >= 1).
+    Args: x [T, K] floating point, K a multiple of 128 (T = 0 gives empty results).
     Returns: (codes float8_e4m3fn [T, K], scales fp32 [T, K // 128]): ``s = max(amax, 1e-10) / 448``
     per 1x128 group, ``code = e4m3_rne(clamp(x / s, +-448))``, as ``quantize_act_fp8_ref`` except
     that on the GPU ``amax / 448`` is Triton's approximate division (scales may differ from torch's
@@ -114,18 +116,23 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = torch.float32,
                    config: Fp8LinearConfig | None = None) -> torch.Tensor:
-    """y = x @ W^T by the FP8 block recipe (module docstring), on the GPU.
+    """y = x @ W^T by the FP8 block recipe (module docstring), on the GPU (on the CPU only under
+    the Triton interpreter, ``TRITON_INTERPRET=1``, as the tests run it).
 
     Args:
-        x: [T, K] bf16/fp16/fp32 activations (T >= 1), on W's device.
-        w: FP8 block weight (``DecodeWeight`` fmt ``"fp8"``, codes [N, K], scales [N/128, K/128]).
+        x: [T, K] bf16/fp16/fp32 activations (T = 0 gives [0, N]), on W's device.
+        w: FP8 block weight: ``pack_fp8(quantize_fp8_block(W))`` (``DecodeWeight`` fmt ``"fp8"``,
+            codes [N, K], scales [ceil(N/128), K/128]; any N).
         out_dtype: dtype of y.
         config: launch configuration (default :func:`fp8_linear_config`).
     Returns: y [T, N] in ``out_dtype``. Two launches (quantization, GEMM), four with ``split`` 2
     (zeroing, cast); capturable in a CUDA graph.
-    Raises: ValueError for another format, K not a multiple of 128, a shape mismatch, or x not
+    Raises: TypeError if w is not a DecodeWeight; ValueError for another format, K not a multiple of 128, a shape mismatch, or x not
     floating point on W's device.
     """
+    if not isinstance(w, DecodeWeight):
+        raise TypeError(f"fp8_act_linear: w must be a packed DecodeWeight (memra.kernels.gemv.pack_fp8), got "
+                        f"{type(w).__name__}")
     if not fp8_act_supported(w):
         raise ValueError(f"fp8_act_linear({w.name!r}): needs an fp8 weight with K a multiple of 128, got "
                          f"{w.fmt} [{w.n}, {w.k}]")
