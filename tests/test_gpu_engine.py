@@ -635,7 +635,8 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
     """``attention_weights="fp8"``: every attention projection (MTP layers' too) requantized to FP8
     block; the tiny Step model's teacher-forced logits over 256 tokens against bf16 (printed; the
     issue's accuracy report) must agree with a CPU fp32 emulation of the same quantization (weights
-    FP8-rounded, then plain torch): random tiny models amplify the rounding (about 82 % top-1 either
+    FP8-rounded, the prefill's activations rounded per 1x128 group as the FP8 block recipe does,
+    then plain torch): random tiny models amplify the rounding (about 82 % top-1 either
     way), so the check is that the GPU kernels add nothing to it. Then the engine generates with it."""
     from step35_tiny import N_LAYERS, N_MTP, make_tensors, write_llm_dir
 
@@ -643,6 +644,8 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
     from memra.engine.kv_cache import ContiguousKVCache
     from memra.engine.llm import LLM
     from memra.engine.sampling import SamplingParams
+    from memra.kernels.fp8_linear import FP8_ACT_MIN_T
+    from memra.kernels.moe_prefill import _fp8_roundtrip
     from memra.layers.attention import Attention
     from memra.models import load_model
     from memra.quant.fp8 import quantize_fp8_block
@@ -664,11 +667,16 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
             return cpu.logits(cpu(ids, torch.arange(256), ContiguousKVCache(cpu.config, 256)))
 
     ref = logits()
+    assert 256 >= FP8_ACT_MIN_T
     for m in cpu.modules():
         if isinstance(m, Attention):
             for lin in (m.qkv, m.o):
                 q = quantize_fp8_block(lin.weight.to(torch.bfloat16)).dequantize(torch.float32)
                 lin.__init__(QTensor("w", QType.F32, tuple(q.shape), q), None, torch.float32)
+                # the 256-token prefill runs the FP8 block recipe (memra/kernels/fp8_linear.py):
+                # activations rounded per 1x128 group as well
+                lin.register_forward_pre_hook(lambda m, args: (_fp8_roundtrip(args[0].reshape(-1, args[0].shape[-1]))
+                                                               .reshape(args[0].shape),))
     got = logits()
     emu_top1 = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
     emu_err = float((ref - got).abs().max())

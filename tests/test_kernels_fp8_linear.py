@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton sources are imported
 
 from memra.kernels.fp8_linear import (  # noqa: E402
+    FP8_ACT_MIN_T,
     Fp8LinearConfig,
     fp8_act_linear,
     fp8_act_linear_ref,
@@ -148,6 +149,22 @@ def test_errors():
     assert not fp8_act_supported(odd)
     with pytest.raises(ValueError, match="K a multiple of 128"):
         fp8_act_linear(_x(3, 200, 0), odd)
+
+
+def test_gpu_linear_takes_the_recipe_from_the_threshold():
+    """gpu_linear: FP8 weights below FP8_ACT_MIN_T rows keep bf16 activations (decode_linear);
+    from it on (prefill included) the FP8 block recipe; K not a multiple of 128 never takes it."""
+    from memra.layers.linear import gpu_linear
+
+    n, k = 160, 256
+    w = _fp8_weight(n, k, seed=5)
+    for t in (FP8_ACT_MIN_T - 1, FP8_ACT_MIN_T, 70):
+        x = _x(t, k, seed=t)
+        y = gpu_linear(x, w).float().cpu()
+        recipe = fp8_act_linear_ref(x.float().cpu(), w.to("cpu"))
+        exact_x = x.float().cpu() @ dequantize_packed(w.to("cpu")).t()
+        near, far = (recipe, exact_x) if t >= FP8_ACT_MIN_T else (exact_x, recipe)
+        assert _rel(y, near) < 5e-3 < _rel(y, far), (t, _rel(y, near), _rel(y, far))
 
 
 _ATTN = [(10304, 4096), (4096, 8192), (14432, 4096), (4096, 12288)]  # the flagship's TP1 attention shapes

@@ -20,13 +20,13 @@ registers for ``tl.dot`` and reaches 22-33 % of copy bandwidth, slower than cuBL
 weights it halves; this path reads the codes straight into the FP8 MMA (H200, the four TP1
 attention shapes, ``python3 benchmarks/fp8_w8a8_probe.py``: 1.3-1.8x faster than bf16 cuBLAS and
 2-2.3x faster than ``decode_linear`` at T = 16, 32, 64, the quantization kernel included).
-Not yet on the model's path: :func:`memra.layers.linear.gpu_linear` is to take it for FP8
-weights from :data:`FP8_ACT_MIN_T` rows (prefill included) once the GPU test suite has run with
-that dispatch (no GPU could be had in the session that wrote it). A token's projections would
-then depend on the number of rows of its step: across that line (bf16 vs FP8 activations), and
-above it wherever :func:`fp8_linear_config` picks another tile or K split for another T (the
-same math, summed in another order: ~1e-7 relative). A row does not depend on the values of the
-other rows at one configuration. NaN in x does not propagate (the quantization's max drops it).
+:func:`memra.layers.linear.gpu_linear` takes it for FP8 weights from :data:`FP8_ACT_MIN_T` rows
+(prefill included), so a token's projections depend on the number of rows of its step: across
+that line (bf16 vs FP8 activations), and above it wherever :func:`fp8_linear_config` picks another
+tile or K split for another T (the same math, summed in another order: ~1e-7 relative). FP8
+weights are therefore not batch-invariant across that line. A row does not depend on the values
+of the other rows at one configuration. NaN in x does not propagate (the quantization's max drops
+it).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ __all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_
            "fp8_act_linear", "fp8_act_linear_ref"]
 
 FP8_ACT_MIN_T = 8
-"""Rows of x from which FP8 weights are to run through :func:`fp8_act_linear` (below:
-``decode_linear``'s bf16-activation GEMV; not yet wired into gpu_linear, see above). Measured crossover:
+"""Rows of x from which :func:`memra.layers.linear.gpu_linear` runs FP8 weights through
+:func:`fp8_act_linear` (below: ``decode_linear``'s bf16-activation GEMV). Measured crossover:
 benchmarks/results/issue14/fp8-w8a8-probe*.json."""
 
 

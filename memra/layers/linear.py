@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_native
+from ..kernels.fp8_linear import FP8_ACT_MIN_T, fp8_act_linear, fp8_act_supported
 from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
 from ..quant.dequant import AFFINE32_BITS
 from ..quant.tensor import QTensor
@@ -354,10 +355,13 @@ def pack_for_gpu(parts: list, device: torch.device | str, name: str = "") -> Dec
 def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ b) with ``W`` packed on the GPU; x [..., K] -> [..., N] in x.dtype.
 
-    bf16 weights: cuBLAS. Other formats: one decode kernel launch (memra/kernels/gemv.py, W read
-    once) for up to :data:`~memra.kernels.gemv.MAX_T` (64) rows of x; more rows (prefill): W
-    dequantized to x.dtype for the call, then cuBLAS (the grouped prefill GEMMs are separate
-    work). Capturable in a CUDA graph (no host synchronisation).
+    bf16 weights: cuBLAS. FP8 block weights (K a multiple of 128) from
+    :data:`~memra.kernels.fp8_linear.FP8_ACT_MIN_T` (8) rows of x, prefill included: the FP8
+    block recipe (activations quantized per 1x128 group, FP8 tensor cores;
+    memra/kernels/fp8_linear.py). Other formats, and FP8 below that: one decode kernel launch
+    (memra/kernels/gemv.py, W read once) for up to :data:`~memra.kernels.gemv.MAX_T` (64) rows of
+    x; more rows (prefill): W dequantized to x.dtype for the call, then cuBLAS (the grouped
+    prefill GEMMs are separate work). Capturable in a CUDA graph (no host synchronisation).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
@@ -366,6 +370,8 @@ def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = Non
         y = torch.nn.functional.linear(x2, w.data if x2.dtype == torch.bfloat16 else w.data.to(x2.dtype))
     elif t == 0:
         y = x2.new_empty(0, w.n)
+    elif t >= FP8_ACT_MIN_T and fp8_act_supported(w):
+        y = fp8_act_linear(x2, w, out_dtype=x2.dtype)
     elif t <= MAX_T:
         y = decode_linear(x2, w, out_dtype=x2.dtype)
     else:
