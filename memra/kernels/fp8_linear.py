@@ -40,10 +40,13 @@ from .gemv import DecodeWeight, dequantize_packed
 __all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_config", "quantize_act_fp8",
            "fp8_act_linear", "fp8_act_linear_ref"]
 
-FP8_ACT_MIN_T = 8
+FP8_ACT_MIN_T = 4
 """Rows of x from which :func:`memra.layers.linear.gpu_linear` runs FP8 weights through
-:func:`fp8_act_linear` (below: ``decode_linear``'s bf16-activation GEMV). Measured crossover:
-benchmarks/results/issue14/fp8-w8a8-probe*.json."""
+:func:`fp8_act_linear` (below: ``decode_linear``'s bf16-activation GEMV). Measured crossover
+(``python3 benchmarks/fp8_w8a8_probe.py``, H100, the flagship's four TP1 attention shapes,
+benchmarks/results/issue14/fp8-w8a8-probe-cbadcd5-h100.json): at 1 row ``decode_linear`` is faster on
+all four (16.8-22.9 vs 22.2-30.4 µs), at 2 rows on three of four, at 4 rows the recipe is faster on
+all four (22.3-30.4 vs 30.0-48.5 µs: ``decode_linear``'s 4-row tiles are not on its fp16x2 path)."""
 
 
 @dataclass(frozen=True)

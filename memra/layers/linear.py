@@ -356,7 +356,7 @@ def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = Non
     """y = x @ W^T (+ b) with ``W`` packed on the GPU; x [..., K] -> [..., N] in x.dtype.
 
     bf16 weights: cuBLAS. FP8 block weights (K a multiple of 128) from
-    :data:`~memra.kernels.fp8_linear.FP8_ACT_MIN_T` (8) rows of x, prefill included: the FP8
+    :data:`~memra.kernels.fp8_linear.FP8_ACT_MIN_T` (4) rows of x, prefill included: the FP8
     block recipe (activations quantized per 1x128 group, FP8 tensor cores;
     memra/kernels/fp8_linear.py). Other formats, and FP8 below that: one decode kernel launch
     (memra/kernels/gemv.py, W read once) for up to :data:`~memra.kernels.gemv.MAX_T` (64) rows of
