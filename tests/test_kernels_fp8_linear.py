@@ -165,6 +165,10 @@ def test_gpu_linear_takes_the_recipe_from_the_threshold():
         exact_x = x.float().cpu() @ dequantize_packed(w.to("cpu")).t()
         near, far = (recipe, exact_x) if t >= FP8_ACT_MIN_T else (exact_x, recipe)
         assert _rel(y, near) < 5e-3 < _rel(y, far), (t, _rel(y, near), _rel(y, far))
+    odd = _fp8_weight(n, 200, seed=6)  # K = 200: the recipe cannot take it at any T
+    x = _x(FP8_ACT_MIN_T, 200, seed=7)
+    exact_x = x.float().cpu() @ dequantize_packed(odd.to("cpu")).t()
+    assert _rel(gpu_linear(x, odd), exact_x) < 5e-3
 
 
 _ATTN = [(10304, 4096), (4096, 8192), (14432, 4096), (4096, 12288)]  # the flagship's TP1 attention shapes
