@@ -104,6 +104,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     from ..engine.cuda_graph import CudaGraphRunner
     from ..engine.kv_cache import PagedKVCache
     from ..io.synthetic import build_gpu_model, load_geometry
+    from ..kernels.pdl import pdl_enabled, set_pdl
     from ..layers.moe import MoE
     from ..roofline import step35_bytes
 
@@ -112,6 +113,8 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
     if getattr(a, "shared_overlap", None) is not None:
         MoE.overlap_shared = a.shared_overlap == "on"
+    if getattr(a, "pdl", None) is not None:
+        set_pdl(a.pdl == "on")
     batches = [int(b) for b in a.batches.split(",")]
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -179,7 +182,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format, "mtp": a.mtp,
         "attention_weights": a.attention_weights, "fp8_attention_accuracy": accuracy,
-        "shared_expert_overlap": MoE.overlap_shared,
+        "shared_expert_overlap": MoE.overlap_shared, "pdl": pdl_enabled(dev),
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
         "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
@@ -354,7 +357,8 @@ def print_table(res: dict) -> None:
     attn = "attention FP8 block, " if res.get("attention_weights") == "fp8" else ""
     print(f"\nmemra bench decode: {res['geometry']} ({res['layers']} layers, routed experts {res['expert_format']}, "
           f"{attn}other weights bf16), context {res['context']}, {res['machine']}, copy {bw:.2f} TB/s, "
-          f"commit {res['commit']}")
+          f"commit {res['commit']}, PDL {'on' if res.get('pdl') else 'off'}, shared-expert overlap "
+          f"{'on' if res.get('shared_expert_overlap') else 'off'}")
     cr = res["config_roofline_batch1"]
     print(f"config-only roofline at batch 1: {cr['decode_bytes'] / 1e9:.2f} GB weights + {cr['kv_bytes'] / 1e9:.3f} GB "
           f"KV -> {cr['floor_ms']:.3f} ms")
@@ -405,6 +409,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-overlap", choices=["on", "off"], default=None,
                    help="the shared expert on a second CUDA stream beside the router and the routed experts "
                         "(MoE.overlap_shared; default: that attribute's default, on)")
+    p.add_argument("--pdl", choices=["on", "off"], default=None,
+                   help="programmatic dependent launch of memra's Triton kernels (memra/kernels/pdl.py; default: "
+                        "on where the GPU supports it, unless MEMRA_PDL=0)")
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
                    help="forced accepted lengths (tokens per sequence per step, bonus included)")

@@ -5,6 +5,8 @@ the torch references work without Triton."""
 import triton
 import triton.language as tl
 
+from ._pdl_triton import pdl_enter
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -13,9 +15,10 @@ def _decode_split_kernel(
     s_qb, s_qh, s_kn, s_kt, s_kh, s_vn, s_vt, s_vh, s_btb, s_gb, s_ob, s_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    CAST_F32: tl.constexpr,
+    CAST_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # program (b * KV + kv head, split): all G query heads of one kv head over one key partition
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // num_kv
@@ -94,9 +97,10 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, num_heads, num_splits, s_gb, s_ob, s_oh,
-    D: tl.constexpr, SP: tl.constexpr, HAS_GATE: tl.constexpr,
+    D: tl.constexpr, SP: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # program (b * H + h): merge the splits' (m, l, acc) into the output row
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     b = pid // num_heads
     h = pid % num_heads

@@ -5,11 +5,13 @@ and the host wrapper). The activation quantization kernel is the MoE prefill one
 import triton
 import triton.language as tl
 
+from ._pdl_triton import pdl_enter
+
 
 @triton.jit
 def _fp8_linear_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, k_per_split,
                        stride_xq, stride_xs, stride_w, stride_ws, stride_y,
-                       BN: tl.constexpr, BT: tl.constexpr, ATOMIC: tl.constexpr):
+                       BN: tl.constexpr, BT: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr = False):
     """y[t, n] (+)= sum over the split's K of (xq[t, k] xs[t, k/128]) (w[n, k] ws[n/128, k/128]).
 
     Weights are the M side of the product ("swap AB": a [BN, 128] E4M3 tile), tokens the N side
@@ -17,6 +19,7 @@ def _fp8_linear_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, k_per_split,
     dot is scaled by its row / column scales and added to the fp32 accumulator (the promotion of
     the DeepSeek-V3 recipe: Hopper's FP8 MMA accumulates with ~14 bits inside one step).
     K (and k_per_split) are multiples of 128. ATOMIC: fp32 atomic add into a zeroed y."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)

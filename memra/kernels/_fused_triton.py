@@ -3,9 +3,13 @@
 import triton
 import triton.language as tl
 
+from ._pdl_triton import pdl_enter
+
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n
@@ -19,10 +23,12 @@ def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.co
 
 
 @triton.jit
-def _router_logits_kernel(h_ptr, w_ptr, out_ptr, E, D, stride_h, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _router_logits_kernel(h_ptr, w_ptr, out_ptr, E, D, stride_h, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
     # logits[t, e] = sum_d fp32(h[t, d]) * w[e, d]: program (pid_e, t) sums BLOCK_E experts' rows for
     # token t in BLOCK_D-wide fp32 partial sums, then across them (a fixed order: the result does not
     # depend on how many tokens the launch has)
+    pdl_enter(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -38,7 +44,8 @@ def _router_logits_kernel(h_ptr, w_ptr, out_ptr, E, D, stride_h, BLOCK_E: tl.con
 
 @triton.jit
 def _router_topk_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                        BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     m = e < E
@@ -64,7 +71,9 @@ def _router_topk_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexp
 
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W, BLOCK: tl.constexpr):
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -5,6 +5,8 @@ references work without Triton."""
 import triton
 import triton.language as tl
 
+from ._pdl_triton import pdl_enter
+
 # 4 NVFP4 code bytes (natural pair order: low nibble = element 2i, high = 2i + 1) -> 8 fp16
 # values E2M1 * 2^-14, exact (sign to bit 15, the 3 magnitude bits to bits 9..11, i.e. the
 # two exponent bits and the top mantissa bit; code 1 is the fp16 subnormal 2^-15).
@@ -567,7 +569,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
                  stride_xt, stride_yt, stride_wn, stride_sn,
                  FMT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
                  GS: tl.constexpr, DOT: tl.constexpr, ATOMIC: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """y[t, n] (+)= sum_k x[t, k] W[n, k] for rows pid_n*BN.., K range pid_k*k_per_split..
 
     DOT=False: BT in {1, 2, 4}, one fp32 accumulator [BN, G] per column t, fp32 FMAs; for
@@ -575,6 +578,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr,
     DOT=True: BT = 16, tl.dot of x with the dequantized tile (cast to x's dtype, or with
     F16 both operands in fp16).
     """
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BK: tl.constexpr = G * GS

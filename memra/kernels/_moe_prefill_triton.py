@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._gemv_triton import _e2m1_scaled, _nvfp4_pairs, _ue4m3_raw
+from ._pdl_triton import pdl_enter
 
 
 @triton.jit
@@ -78,8 +79,9 @@ def _quant_groups(v, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, stride_x, stride_q, stride_s,
-                      BT: tl.constexpr, EXACT: tl.constexpr):
+                      BT: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """Rows pid0 * BT .. + BT, columns pid1 * 128 .. + 128 of x -> codes q and one scale per row."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     g = tl.program_id(1)
     rt = pid_t * BT + tl.arange(0, BT)
@@ -542,10 +544,11 @@ def _moe_align_kernel(idx_ptr, ids_ptr, bexp_ptr, used_ptr, n, num_blocks, E,
 
 @triton.jit
 def _moe_combine_kernel(acc_ptr, add_ptr, y_ptr, D, stride_acc, stride_add, stride_y,
-                        TOPK: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr):
+                        TOPK: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
     """y[t, cols] = (sum over j = 0..TOPK-1, in this order, of acc[t * TOPK + j, cols]) + add[t, cols],
     in fp32, cast to y's dtype: the deterministic combine of the per-pair rows (the same token's
     result never depends on the other tokens of the call, nor on the run)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     m = rd < D

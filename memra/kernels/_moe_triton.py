@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ._gemv_triton import _dot_cols, _put
+from ._pdl_triton import pdl_enter
 
 
 @triton.jit
@@ -56,10 +57,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
                         topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit,
                         FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                         NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False):
     """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
     j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
     W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
+    pdl_enter(PDL)
     pid_a = tl.program_id(0)
     slot = tl.program_id(1)
     e = tl.load(se_ptr + slot)
@@ -128,10 +130,11 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
                      topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
                      EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                     ATOMIC: tl.constexpr = True):
+                     ATOMIC: tl.constexpr = True, PDL: tl.constexpr = False):
     """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
     every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host).
     ATOMIC=False (one K split): y[p_c, n] = the same term, per-pair rows [T * k, N]."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -166,13 +169,15 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
 
 @triton.jit
 def _moe_group_kernel(idx_ptr, perm_ptr, se_ptr, ss_ptr, sc_ptr, n, S,
-                      BI: tl.constexpr, BJ: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
+                      BI: tl.constexpr, BJ: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Grouping of the n (token, expert) pairs by expert (see moe_decode.moe_group): one launch.
 
     Every program counts the pairs per expert (cnt [EP]); program 0 writes the slots (distinct
     experts in increasing order: expert, first sorted position = pairs on smaller experts, count;
     then -1 / 0 / 0 up to S); program pid ranks pairs pid*BI.. : rank(i) = #{j: e_j < e_i} +
     #{j < i: e_j = e_i}, perm[rank(i)] = i. O(n * (E + BI)) work per program, no atomics."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     ev = tl.arange(0, EP)
     cnt = tl.zeros([EP], dtype=tl.int32)

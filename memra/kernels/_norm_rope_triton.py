@@ -5,10 +5,13 @@ kernel is launched."""
 import triton
 import triton.language as tl
 
+from ._pdl_triton import pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, eps, s_x, s_r, s_y, s_s,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < D
@@ -50,8 +53,9 @@ def _norm_rope_row(src, dst, w_ptr, cos_row, sin_row, eps,
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, H, eps,
                          s_qt, s_qh, s_kt, s_kh, s_ct, s_st,
                          KV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr):
+                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PDL: tl.constexpr = False):
     # program (token t, head j): j < H a query head, else kv head j - H
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     cos_row = cos_ptr + t * s_ct

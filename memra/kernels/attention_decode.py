@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import torch
 
+from .pdl import pdl_args
+
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
 _MAX_SPLITS = 128
@@ -236,11 +238,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         G=G, GP=gp, D=D, BS=bs, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_GATE=gate is not None,
         DIRECT=direct, IEEE=ieee, CAST_F32=mixed, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device),
     )
     if not direct:
         _decode_combine_kernel[(B * H,)](
             m, l, acc, g, out, H, num_splits, s_gb, out.stride(0), out.stride(1),
             D=D, SP=max(2, _next_pow2(num_splits)), HAS_GATE=gate is not None, num_warps=4,
+            **pdl_args(q.device),
         )
     return out
 

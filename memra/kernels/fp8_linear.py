@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .gemv import DecodeWeight, dequantize_packed
+from .pdl import pdl_args
 
 __all__ = ["FP8_ACT_MIN_T", "Fp8LinearConfig", "fp8_act_supported", "fp8_linear_config", "quantize_act_fp8",
            "fp8_act_linear", "fp8_act_linear_ref"]
@@ -113,7 +114,7 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xs = torch.empty(t, k // 128, device=x.device, dtype=torch.float32)
     bt = 16
     _act_quant_kernel[(-(-t // bt), k // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
-                                               BT=bt, EXACT=interpret_mode(), num_warps=4)
+                                               BT=bt, EXACT=interpret_mode(), num_warps=4, **pdl_args(x.device))
     return xq, xs
 
 
@@ -158,5 +159,5 @@ def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = to
     _fp8_linear_kernel[grid](xq, xs, w.data, w.scale, y, t, n, k // split,
                              xq.stride(0), xs.stride(0), w.data.stride(0), w.scale.stride(0), y.stride(0),
                              BN=cfg.bn, BT=cfg.bt, ATOMIC=split > 1, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages)
+                             num_stages=cfg.num_stages, **pdl_args(x.device))
     return y if y.dtype == out_dtype else y.to(out_dtype)

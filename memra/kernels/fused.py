@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pdl import pdl_args
+
 __all__ = ["swiglu", "swiglu_ref", "swiglu_torch", "router_topk", "router_topk_ref", "kv_write", "kv_write_ref"]
 
 
@@ -84,7 +86,7 @@ def swiglu(gu: torch.Tensor, limit: float | None, out: torch.Tensor | None = Non
     block = min(1024, _np2(n))
     _swiglu_kernel[(t, -(-n // block))](gu, y, n, gu.stride(0), y.stride(0),
                                         0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
-                                        BLOCK=block, num_warps=4)
+                                        BLOCK=block, num_warps=4, **pdl_args(gu.device))
     return y
 
 
@@ -111,7 +113,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling
     # one warp up to 1024 experts: the k passes' max / argmin / sum reductions stay in warp shuffles
     _router_topk_kernel[(t,)](logits, logits if bias is None else bias, index, weight, e, float(scaling),
                               K=k, KP=_np2(k), BLOCK_E=block, HAS_BIAS=bias is not None,
-                              num_warps=1 if block <= 1024 else 4)
+                              num_warps=1 if block <= 1024 else 4, **pdl_args(logits.device))
     return index, weight
 
 
@@ -159,7 +161,7 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 1, block
     block_d = block_d or min(4096, _np2(d))
     if t:
         _router_logits_kernel[(-(-e // block_e), t)](h, router, out, e, d, h.stride(0), BLOCK_E=block_e,
-                                                     BLOCK_D=block_d, num_warps=num_warps)
+                                                     BLOCK_D=block_d, num_warps=num_warps, **pdl_args(h.device))
     return out
 
 
@@ -200,4 +202,4 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.contiguous()
     block = min(1024, _np2(w))
     _kv_write_kernel[(b, -(-w // block))](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), w,
-                                          BLOCK=block, num_warps=4)
+                                          BLOCK=block, num_warps=4, **pdl_args(k.device))

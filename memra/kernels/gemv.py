@@ -83,6 +83,7 @@ from ..quant.dequant import NVFP4_KVALUES, ue4m3_half_table
 from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 from ..quant.types import QType
+from .pdl import pdl_args
 
 __all__ = [
     "FORMATS",
@@ -508,7 +509,7 @@ def decode_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = tor
         x.stride(0), y.stride(0), stride_w, s.stride(0),
         FMT=_FMT_ID[w.fmt], BT=bt, BN=cfg.bn, G=bk // _GS[w.fmt], GS=_GS[w.fmt],
         DOT=cfg.dot, ATOMIC=atomic, EVEN_K=(k % bk == 0), ASM=not interpret_mode(), F16=cfg.f16, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     if atomic and y.dtype != out_dtype:
         if out is not None:

@@ -54,6 +54,7 @@ from ..quant.tensor import QTensor
 from ..quant.types import QType
 from . import gemv
 from .gemv import FORMATS, DecodeWeight, check_layout, dequantize_packed, interpret_mode, packed_nbytes
+from .pdl import pdl_args
 
 __all__ = [
     "ExpertBank",
@@ -360,7 +361,8 @@ def moe_group(index: torch.Tensor, num_experts: int, method: str = "torch"
         bi = 64
         _moe_group_kernel[(-(-n // bi),)](flat, perm, slots[0], slots[1], slots[2], n, s, BI=bi, BJ=32,
                                           EP=max(16, triton_next_pow2(num_experts)),
-                                          SP=max(16, triton_next_pow2(s)), num_warps=4)
+                                          SP=max(16, triton_next_pow2(s)), num_warps=4,
+                                          **pdl_args(dev))
         return perm, slots[0], slots[1], slots[2]
     flat = index.reshape(-1).to(torch.int64)
     ar = torch.arange(n, device=dev, dtype=torch.int64)
@@ -613,7 +615,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
-        HAS_LIMIT=has_limit, num_warps=cfg.num_warps)
+        HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **pdl_args(x.device))
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
@@ -627,7 +629,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
         EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, ATOMIC=atomic,
-        num_warps=cfg.num_warps)
+        num_warps=cfg.num_warps, **pdl_args(x.device))
     if not atomic:
         from ._moe_prefill_triton import _moe_combine_kernel
 
@@ -636,7 +638,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         a = y32 if add is None else (add if add.stride(1) == 1 else add.contiguous())
         bd = 512
         _moe_combine_kernel[(t, -(-d // bd))](y32, a, y, d, y32.stride(0), a.stride(0), y.stride(0), TOPK=topk,
-                                               BD=bd, HAS_ADD=add is not None, num_warps=4)
+                                               BD=bd, HAS_ADD=add is not None, num_warps=4,
+                                               **pdl_args(x.device))
         if out is not None and y.data_ptr() != out.data_ptr():
             out.copy_(y)
             return out

@@ -87,6 +87,7 @@ import torch
 
 from .gemv import interpret_mode
 from .moe_decode import ExpertBank, _check_moe_args, _deinterleave, dequantize_expert, wait_for
+from .pdl import pdl_args
 
 __all__ = [
     "MoePrefillConfig",
@@ -589,7 +590,7 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
         if f8in:
             bt = 16
             _act_quant_kernel[(-(-t // bt), d // 128)](x, xq, xs, t, x.stride(0), xq.stride(0), xs.stride(0),
-                                                      BT=bt, EXACT=exact, num_warps=4)
+                                                      BT=bt, EXACT=exact, num_warps=4, **pdl_args(x.device))
         sc, swe, swn, sse, ssn = wargs(gate_up)
         _moe_gate_up_kernel[(num_m * -(-i // cfg.block_n),)](
             xa, xsa, gate_up.data, sc, act, act_s, ids, bexp,
@@ -626,7 +627,8 @@ def prefill_launches(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
             wait_for(add_stream, dev)
             a = acc if add is None else (add if add.stride(1) == 1 else add.contiguous())
             _moe_combine_kernel[(t, -(-d // bd))](acc, a, y, d, acc.stride(0), a.stride(0), y.stride(0),
-                                                   TOPK=topk, BD=bd, HAS_ADD=add is not None, num_warps=4)
+                                                   TOPK=topk, BD=bd, HAS_ADD=add is not None, num_warps=4,
+                                                   **pdl_args(y.device))
 
     return dict(align=align, gate_up=gate_up_launch, down=down_launch, out=y, ids=ids, block_expert=bexp, config=cfg)
 

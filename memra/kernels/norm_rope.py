@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pdl import pdl_args
+
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_torch", "qk_norm_rope", "qk_norm_rope_ref", "rope_torch"]
 
 
@@ -124,7 +126,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         r = residual if residual is not None else x
         _rms_norm_kernel[(T,)](x, r, w, y, s, D, float(eps), x.stride(0), r.stride(0), y.stride(0), s.stride(0),
                                BLOCK=block, HAS_RES=residual is not None,
-                               num_warps=max(1, min(16, block // 256)))
+                               num_warps=max(1, min(16, block // 256)), **pdl_args(x.device))
     return y if residual is None else (y, s)
 
 
@@ -194,6 +196,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
             q, k, qw, kw, cos, sin, qo, ko, H, float(eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
             KV=KV, DH=Dh, ROT=rot, BLOCK=block, HAS_QW=q_weight is not None, HAS_KW=k_weight is not None,
-            num_warps=1 if block <= 128 else 2,
+            num_warps=1 if block <= 128 else 2, **pdl_args(q.device),
         )
     return qo, ko
