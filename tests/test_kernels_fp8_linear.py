@@ -149,6 +149,15 @@ def test_errors():
     assert not fp8_act_supported(odd)
     with pytest.raises(ValueError, match="K a multiple of 128"):
         fp8_act_linear(_x(3, 200, 0), odd)
+    w384 = _fp8_weight(64, 384, seed=2)  # 3 K steps: an explicit split 2 cannot halve them (no silent fallback)
+    with pytest.raises(ValueError, match="split 2 needs K a multiple of 256"):
+        fp8_act_linear(_x(3, 384, 0), w384, config=Fp8LinearConfig(64, 16, 2))
+
+
+def test_cpu_outside_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA device"):
+        quantize_act_fp8(torch.ones(2, 128))
 
 
 def test_gpu_linear_takes_the_recipe_from_the_threshold():

@@ -101,12 +101,16 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     per 1x128 group, ``code = e4m3_rne(clamp(x / s, +-448))``, as ``quantize_act_fp8_ref`` except
     that on the GPU ``amax / 448`` is Triton's approximate division (scales may differ from torch's
     by an ulp, so a few codes by one step). One launch; no host synchronisation.
-    Raises: ValueError for another shape.
+    Raises: ValueError for another shape, or a CPU tensor outside the interpreter.
     """
+    from .gemv import interpret_mode
+
     if x.dim() != 2 or x.shape[1] % 128:
         raise ValueError(f"quantize_act_fp8: x must be [T, K] with K a multiple of 128, got {tuple(x.shape)}")
+    if x.device.type != "cuda" and not interpret_mode():
+        raise ValueError(f"quantize_act_fp8: a Triton kernel; x must be on a CUDA device (on the CPU only under "
+                         f"TRITON_INTERPRET=1), got {x.device}")
     from ._moe_prefill_triton import _act_quant_kernel
-    from .gemv import interpret_mode
 
     x = x.contiguous()
     t, k = x.shape
@@ -131,8 +135,9 @@ def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = to
         config: launch configuration (default :func:`fp8_linear_config`).
     Returns: y [T, N] in ``out_dtype``. Two launches (quantization, GEMM), four with ``split`` 2
     (zeroing, cast); capturable in a CUDA graph.
-    Raises: TypeError if w is not a DecodeWeight; ValueError for another format, K not a multiple of 128, a shape mismatch, or x not
-    floating point on W's device.
+    Raises: TypeError if w is not a DecodeWeight; ValueError for another format, K not a multiple of
+    128, a ``config.split`` that does not divide K into 128-column steps, a shape mismatch, x not
+    floating point on W's device, or a CPU device outside the interpreter.
     """
     if not isinstance(w, DecodeWeight):
         raise TypeError(f"fp8_act_linear: w must be a packed DecodeWeight (memra.kernels.gemv.pack_fp8), got "
@@ -151,8 +156,11 @@ def fp8_act_linear(x: torch.Tensor, w: DecodeWeight, out_dtype: torch.dtype = to
     t, k = x.shape
     n = w.n
     cfg = config or fp8_linear_config(t, n, k, _sm_count(x.device))
+    if k % (128 * cfg.split):
+        raise ValueError(f"fp8_act_linear({w.name!r}): split {cfg.split} needs K a multiple of {128 * cfg.split}, "
+                         f"got K = {k}")
+    split = cfg.split
     xq, xs = quantize_act_fp8(x)
-    split = cfg.split if k % (128 * cfg.split) == 0 else 1
     y = torch.zeros(t, n, device=x.device, dtype=torch.float32) if split > 1 else \
         torch.empty(t, n, device=x.device, dtype=out_dtype)
     grid = (-(-n // cfg.bn), split, -(-t // cfg.bt))
