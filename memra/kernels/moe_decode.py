@@ -300,7 +300,7 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, 
     """Sigmoid top-k routing on the device: the math of ``MoE.route`` (memra/layers/moe.py,
     STEP35.md "router") in two launches: fp32 logits ``h.float() @ router^T`` (up to
     :data:`~memra.kernels.fused.ROUTER_LOGITS_MAX_T` tokens :func:`memra.kernels.fused.router_logits`,
-    which reads h as it is; more tokens: the cast, then cuBLAS), then
+    which reads h as it is; more tokens: the cast, then cuBLAS; every T in batch-invariant mode), then
     :func:`memra.kernels.fused.router_topk` (sigmoid, the top-k of ``s + bias``, the bias only
     choosing; weights ``s[chosen] / sum * scaling``). The model's GPU path calls this.
 
@@ -308,6 +308,7 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, 
     Returns: (index int64 [T, top_k], weight fp32 [T, top_k]). No host sync (CUDA-graph safe).
     Raises: ValueError on shape mismatches.
     """
+    from .batch_invariant import batch_invariant
     from .fused import ROUTER_LOGITS_MAX_T, router_logits, router_topk
 
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
@@ -317,7 +318,7 @@ def moe_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, 
         raise ValueError(f"moe_route: top_k = {top_k} must be in 1..E = {router.shape[0]}")
     if bias is not None and tuple(bias.shape) != (router.shape[0],):
         raise ValueError(f"moe_route: bias must be [E] = [{router.shape[0]}], got {tuple(bias.shape)}")
-    if h.shape[0] <= ROUTER_LOGITS_MAX_T and h.stride(1) == 1 and router.dtype == torch.float32 \
+    if (h.shape[0] <= ROUTER_LOGITS_MAX_T or batch_invariant()) and h.stride(1) == 1 and router.dtype == torch.float32 \
             and router.is_contiguous() and h.dtype in (torch.bfloat16, torch.float16, torch.float32):
         logits = router_logits(h, router)  # decode: one launch, h read as it is
     else:

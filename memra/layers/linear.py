@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_native
+from ..kernels.batch_invariant import batch_invariant, invariant_linear
 from ..kernels.fp8_linear import FP8_ACT_MIN_T, fp8_act_linear, fp8_act_supported
 from ..kernels.gemv import MAX_T, DecodeWeight, decode_linear, dequantize_packed, pack_bf16, pack_weight
 from ..quant.dequant import AFFINE32_BITS
@@ -362,11 +363,15 @@ def gpu_linear(x: torch.Tensor, w: DecodeWeight, bias: torch.Tensor | None = Non
     (memra/kernels/gemv.py, W read once) for up to :data:`~memra.kernels.gemv.MAX_T` (64) rows of
     x; more rows (prefill): W dequantized to x.dtype for the call, then cuBLAS (the grouped
     prefill GEMMs are separate work). Capturable in a CUDA graph (no host synchronisation).
+    In batch-invariant mode (memra/kernels/batch_invariant.py) every format and every T takes
+    :func:`~memra.kernels.batch_invariant.invariant_linear` instead.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     t = x2.shape[0]
-    if w.fmt == "bf16":
+    if batch_invariant():
+        y = invariant_linear(x2, w)
+    elif w.fmt == "bf16":
         y = torch.nn.functional.linear(x2, w.data if x2.dtype == torch.bfloat16 else w.data.to(x2.dtype))
     elif t == 0:
         y = x2.new_empty(0, w.n)

@@ -26,12 +26,15 @@ How it runs is chosen here, per call:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import moe_decode as decode_kernels
 from ..kernels import moe_prefill as prefill_kernels
+from ..kernels.batch_invariant import batch_invariant
 from ..kernels.fused import router_topk_ref, swiglu_torch
 from ..kernels.moe_decode import fuse_gate_up, moe_route, pack_expert_bank
 from .activations import GatedMLP
@@ -140,13 +143,16 @@ class RoutedExperts(KernelLayer):
         that produces ``add``, joined just before ``add`` is read, GPU only)."""
         if self.kernels:
             t = x.shape[0]
-            if t <= MOE_DECODE_MAX_T:
+            invariant = batch_invariant()  # one path and one tile for every T (memra/kernels/batch_invariant.py)
+            if t <= MOE_DECODE_MAX_T and not invariant:
                 return decode_kernels.moe_decode(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
                                                  add=add, add_stream=add_stream)
             cfg = None
-            if t <= prefill_kernels.GROUPED_DECODE_MAX_T:
+            if t <= prefill_kernels.GROUPED_DECODE_MAX_T or invariant:
                 b = self.gate_up_bank
                 cfg = prefill_kernels.grouped_decode_config(b.fmt, t, index.shape[1], b.e, b.n // 2, b.k, x.dtype)
+                if t > prefill_kernels.GROUPED_DECODE_MAX_T:  # how pairs are aligned does not change their sums
+                    cfg = dataclasses.replace(cfg, align="auto")
             return prefill_kernels.moe_prefill(x, index, weight, self.gate_up_bank, self.down_bank, self.limit,
                                                add=add, config=cfg, add_stream=add_stream)
         self.build()

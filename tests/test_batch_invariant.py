@@ -1,0 +1,132 @@
+"""Batch-invariant mode (memra/kernels/batch_invariant.py): the invariant GEMM against its torch
+twin and row by row, the switch, the dispatch, and on the GPU the tiny Step model's greedy tokens
+at batch 1 and batch 16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton sources are imported
+
+from memra.kernels import batch_invariant as bi  # noqa: E402
+
+pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter's tl.dot is wrong for bf16 (../shared/GPU.md): fp16 on the CPU
+DT = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def _rand(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * torch.rand(shape[-1], generator=g).add(0.2)).to(DT).to(DEV)
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 96, 200), (5, 64, 64), (17, 130, 96), (40, 96, 200)])
+def test_matmul_matches_twin_and_rows_stand_alone(t, n, k):
+    """Against the fp32 twin (partial N, T and K tiles), and each row alone, in other subsets and
+    in the whole batch: the same bits."""
+    x, w = _rand(t, k, seed=t), _rand(n, k, seed=100 + n)
+    y = bi.invariant_matmul(x, w)
+    ref = bi.invariant_matmul_ref(x, w)
+    assert y.shape == (t, n) and y.dtype == x.dtype
+    assert float((y.float() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2
+    for rows in ([0], [t - 1], list(range(0, t, 3))):
+        assert torch.equal(bi.invariant_matmul(x[rows], w), y[rows]), rows
+
+
+def test_errors_and_empty():
+    w = _rand(32, 64, seed=1)
+    with pytest.raises(ValueError, match=r"x \[T, K\] and w \[N, K\]"):
+        bi.invariant_matmul(_rand(3, 32, seed=2), w)
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        bi.invariant_matmul(_rand(3, 64, seed=2), w.float())
+    assert bi.invariant_matmul(_rand(3, 64, seed=2)[:0], w).shape == (0, 32)
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv("MEMRA_BATCH_INVARIANT", raising=False)
+    assert not bi.batch_invariant()
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
+    assert bi.batch_invariant()
+    try:
+        bi.set_batch_invariant(False)
+        assert not bi.batch_invariant()
+    finally:
+        bi.set_batch_invariant(None)
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "0")
+    assert not bi.batch_invariant()
+
+
+def test_dispatch_in_the_mode(monkeypatch):
+    """With the mode on, gpu_linear takes invariant_linear for every format and T, and the router
+    takes router_logits past its 16-token line; off, neither."""
+    import memra.kernels.fused as fused
+    from memra.kernels.gemv import pack_bf16
+    from memra.kernels.moe_decode import moe_route
+    from memra.layers import linear
+
+    calls = []
+    monkeypatch.setattr(linear, "invariant_linear", lambda x, w: calls.append(("linear", x.shape[0]))
+                        or torch.zeros(x.shape[0], w.n, dtype=x.dtype))
+    real_logits = fused.router_logits
+    monkeypatch.setattr(fused, "router_logits", lambda h, r: calls.append(("router", h.shape[0])) or real_logits(h, r))
+    w = pack_bf16(torch.randn(8, 128))
+    h = torch.randn(40, 128)
+    router = torch.randn(6, 128)
+    for on in (True, False):
+        calls.clear()
+        bi.set_batch_invariant(on)
+        try:
+            linear.gpu_linear(h, w)
+            moe_route(h, router, None, 2, 1.0)
+        finally:
+            bi.set_batch_invariant(None)
+        assert calls == ([("linear", 40), ("router", 40)] if on else []), (on, calls)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_do_not_depend_on_the_batch():
+    """bf16 at real shapes (the flagship's o_full and shared expert gate+up, the tiny model's
+    head): a row's bits are the same alone, in batches of 16, 37 and 300, and next to other
+    values."""
+    for n, k in ((4096, 8192), (2560, 4096), (512, 256)):
+        w = _rand(n, k, seed=n)
+        x = _rand(300, k, seed=k)
+        full = bi.invariant_matmul(x, w)
+        ref = bi.invariant_matmul_ref(x, w)
+        assert float((full.float() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2, (n, k)
+        for rows in ([0], [5], list(range(16)), list(range(7, 44))):
+            assert torch.equal(bi.invariant_matmul(x[rows], w), full[rows]), (n, k, len(rows))
+        other = x.clone()
+        other[1:] = _rand(299, k, seed=k + 1)
+        assert torch.equal(bi.invariant_matmul(other, w)[0], full[0]), (n, k)
+
+
+@pytest.mark.gpu
+def test_tiny_step_greedy_is_batch_invariant_in_the_mode(tmp_path, monkeypatch):
+    """Issue 14's batch invariance, in batch-invariant mode: the tiny Step model's greedy tokens on
+    the GPU are the same when each of 16 prompts decodes alone (batch 1) as when all 16 decode
+    together (batch 16). (Without the mode: tests/test_gpu_engine.py, a strict xfail.)"""
+    import random
+
+    from step35_tiny import VOCAB, make_tensors, write_llm_dir
+
+    from memra.engine.llm import LLM
+    from memra.engine.sampling import SamplingParams
+
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
+    d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
+    g = random.Random(1)
+    prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 40))] for _ in range(16)]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(d), device="cuda", max_model_len=256, max_num_seqs=16)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    diverged = [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y))
+                for i, (u, v) in enumerate(zip(alone, together)) if u != v]
+    print(f"\nbatch-invariant mode, batch 1 vs batch 16: {len(diverged)} of 16 prompts differ: {diverged}")
+    assert not diverged
