@@ -47,14 +47,29 @@ class DecodeKV:
                scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v [B, KV, D] to their slots, then attend q [B, H, D] -> [B, H, D] over the pages
         (memra/kernels/attention_decode.py; ``gate`` [B, H]: output times sigmoid(gate)). On the CPU
-        the kernels' torch twins run instead (the MTP proposer's padded rows are tested there)."""
+        the kernels' torch twins run instead (the MTP proposer's padded rows are tested there).
+
+        In batch-invariant mode (memra/kernels/batch_invariant.py) the GPU runs the paged prefill
+        kernel instead, each row a sequence of one query, as a mixed prefill + decode step runs its
+        decode rows: so a token's attention is the same whether its step holds prefill chunks or
+        not (padding rows, context 0, get no query and zeros)."""
         from ..kernels import attention_decode, fused
+        from ..kernels.batch_invariant import batch_invariant
 
         cache = self.cache
         gi = cache.layer_group[layer]
         kc, vc = cache.k[layer], cache.v[layer]
         cpu = q.device.type == "cpu"
         (fused.kv_write_ref if cpu else fused.kv_write)(k, v, kc, vc, self.slots[gi])
+        if not cpu and batch_invariant():
+            from ..kernels.attention_prefill import paged_prefill_attention
+
+            b = q.shape[0]
+            cu = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+            cu[1:] = torch.cumsum((self.seq_lens > 0).to(torch.int32), 0)  # padding rows come last
+            out = torch.zeros_like(q)
+            return paged_prefill_attention(q, kc, vc, self.tables[gi], cu, self.seq_lens, window, scale, gate=gate,
+                                           out=out, max_q_len=1)
         attend = attention_decode.paged_decode_attention_ref if cpu else attention_decode.paged_decode_attention
         return attend(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
 

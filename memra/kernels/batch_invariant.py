@@ -17,10 +17,16 @@ the step's shape, on the GPU:
 - the router: :func:`memra.kernels.fused.router_logits` for every T (one fixed summation order);
 - the routed experts: the grouped GEMMs (:func:`memra.kernels.moe_prefill.moe_prefill`) with one
   fixed configuration (16-row pair blocks, the per-pair fixed-order combine) for every T;
-- decode attention: one key partition per sequence (``num_splits = 1``).
+- decode attention: the paged prefill kernel with each decode row as a sequence of one query
+  (memra/engine/cuda_graph.py ``DecodeKV``), which is how a mixed prefill + decode step runs its
+  decode rows, so a token gets the same attention in either kind of step
+  (:func:`memra.kernels.attention_decode.paged_decode_attention` itself takes one key partition,
+  ``num_splits = 1``, where it is called directly).
 
-Per-token kernels (norms, RoPE, K/V writes, SwiGLU, sampling) are invariant already; prefill
-attention reads keys in one fixed order per query whatever the batch. The cost: decode at batch 1
+Per-token kernels (norms, RoPE, K/V writes, SwiGLU, sampling) are invariant already. Prefill
+attention does not look at other sequences, but it tiles a chunk's keys by the chunk's positions:
+a prompt gives the same bits when it is prefilled in the same chunks (one chunk when it fits the
+step's token budget), not when the scheduler cuts it elsewhere. The cost: decode at batch 1
 runs tensor-core tiles of 16 tokens and the linear layers lose cuBLAS (measure with ``memra bench
 decode`` under ``MEMRA_BATCH_INVARIANT=1``). Checked by tests/test_batch_invariant.py and, on the
 GPU, by the tiny Step model's greedy tokens at batch 1 vs batch 16.
