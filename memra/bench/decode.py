@@ -104,6 +104,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     from ..engine.cuda_graph import CudaGraphRunner
     from ..engine.kv_cache import PagedKVCache
     from ..io.synthetic import build_gpu_model, load_geometry
+    from ..kernels.batch_invariant import batch_invariant
     from ..kernels.pdl import pdl_enabled, set_pdl
     from ..layers.moe import MoE
     from ..roofline import step35_bytes
@@ -183,6 +184,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         "geometry": a.geometry, "layers": config.num_layers, "expert_format": a.expert_format, "mtp": a.mtp,
         "attention_weights": a.attention_weights, "fp8_attention_accuracy": accuracy,
         "shared_expert_overlap": MoE.overlap_shared, "pdl": pdl_enabled(dev),
+        "batch_invariant": batch_invariant(),
         "context": a.context, "seed": a.seed, "copy_bandwidth_Bps": copy_bw, "build_seconds": build_s,
         "capture_seconds": capture_s, "weight_bytes": wbytes, "weights_total_bytes": sum(wbytes.values()),
         "config_roofline_batch1": {"decode_bytes": acct["decode"][fmt]["total"], "kv_bytes": acct["kv_cache"],
@@ -358,7 +360,8 @@ def print_table(res: dict) -> None:
     print(f"\nmemra bench decode: {res['geometry']} ({res['layers']} layers, routed experts {res['expert_format']}, "
           f"{attn}other weights bf16), context {res['context']}, {res['machine']}, copy {bw:.2f} TB/s, "
           f"commit {res['commit']}, PDL {'on' if res.get('pdl') else 'off'}, shared-expert overlap "
-          f"{'on' if res.get('shared_expert_overlap') else 'off'}")
+          f"{'on' if res.get('shared_expert_overlap') else 'off'}"
+          + (", batch-invariant mode" if res.get("batch_invariant") else ""))
     cr = res["config_roofline_batch1"]
     print(f"config-only roofline at batch 1: {cr['decode_bytes'] / 1e9:.2f} GB weights + {cr['kv_bytes'] / 1e9:.3f} GB "
           f"KV -> {cr['floor_ms']:.3f} ms")
