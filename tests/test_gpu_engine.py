@@ -696,7 +696,8 @@ def test_fp8_attention_weights_on_gpu(tmp_path):
 def test_tiny_step_greedy_is_batch_invariant_on_gpu(tmp_path):
     """Issue 14's batch invariance: the tiny Step model's greedy tokens on the GPU are the same
     when each of 16 prompts decodes alone (batch 1) as when all 16 decode together (batch 16).
-    Strict xfail: it tracks the open target and fails the run the day it starts to pass."""
+    Strict xfail: it tracks the open target and fails the run the day it starts to pass. (In
+    batch-invariant mode, MEMRA_BATCH_INVARIANT=1, it holds: tests/test_batch_invariant.py.)"""
     import random
 
     from step35_tiny import VOCAB, make_tensors, write_llm_dir
