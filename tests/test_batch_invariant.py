@@ -130,3 +130,28 @@ def test_tiny_step_greedy_is_batch_invariant_in_the_mode(tmp_path, monkeypatch):
                 for i, (u, v) in enumerate(zip(alone, together)) if u != v]
     print(f"\nbatch-invariant mode, batch 1 vs batch 16: {len(diverged)} of 16 prompts differ: {diverged}")
     assert not diverged
+
+
+def test_fp32_activations_are_rounded_to_the_weight_dtype_as_the_twin_says():
+    x, w = _rand(7, 96, seed=3).float() * 1.001, _rand(64, 96, seed=4)
+    y = bi.invariant_matmul(x, w)
+    ref = bi.invariant_matmul_ref(x, w)
+    assert y.dtype == torch.float32
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-3
+
+
+def test_engine_refuses_what_the_mode_does_not_cover(monkeypatch):
+    """On a GPU the mode does not cover the parallel path or MTP drafting yet: refused at
+    configuration, with the reason (the GPU is faked: only the configuration is checked)."""
+    from memra.engine.engine import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
+    with pytest.raises(ValueError, match="MEMRA_BATCH_INVARIANT=1 with the parallel path"):
+        EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="MEMRA_BATCH_INVARIANT=1 with speculative_method='mtp'"):
+        EngineConfig(model="m", device="cuda", speculative_method="mtp")
+    EngineConfig(model="m", device="cuda", speculative_method="ngram")  # the rest is allowed
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "0")
+    EngineConfig(model="m", device="cuda", speculative_method="mtp")

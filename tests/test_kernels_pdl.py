@@ -27,12 +27,12 @@ def test_every_pdl_kernel_waits_before_anything_else():
     before griddepcontrol.wait could read a predecessor's output before it is written. And every
     launch that passes ``pdl_args`` names a kernel that takes PDL (else Triton rejects the
     keyword only at run time on a GPU)."""
-    with_pdl = set()
+    with_pdl = set()  # (module, kernel)
     for path in sorted(KERNELS.glob("_*_triton.py")):
         for fn in _jit_functions(path):
             if fn.name == "pdl_enter" or "PDL" not in [a.arg for a in fn.args.args]:
                 continue
-            with_pdl.add(fn.name)
+            with_pdl.add((path.stem, fn.name))
             body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
                 else fn.body
             assert ast.unparse(body[0]) == "pdl_enter(PDL)", f"{path.name}:{fn.name} starts with {ast.unparse(body[0])}"
@@ -40,17 +40,22 @@ def test_every_pdl_kernel_waits_before_anything_else():
     src = (KERNELS / "_pdl_triton.py").read_text()
     assert src.index("gdc_wait()") < src.index("gdc_launch_dependents()")  # wait, then trigger
 
-    launched = set()
+    launched = set()  # (module the kernel is imported from, kernel); two modules hold same-named kernels
     for path in sorted(KERNELS.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        source = {a.asname or a.name: (n.module or "").lstrip(".") for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) for a in n.names}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_args"
                                                   for k in node.keywords if k.arg is None):
                 f = node.func
                 if isinstance(f, ast.Subscript):  # kernel[grid](...)
                     f = f.value
-                launched.add(ast.unparse(f))
-    kernel_names = {n for n in launched if n.startswith("_") and not n.endswith(")")}  # not factories: _kernel()
-    assert kernel_names <= with_pdl, kernel_names - with_pdl
+                name = ast.unparse(f)
+                launched.add((source.get(name, "?"), name))
+    kernels = {(m, n) for m, n in launched if n.startswith("_") and not n.endswith(")")}  # not factories: _kernel()
+    assert all(m != "?" for m, _ in kernels), kernels
+    assert kernels <= with_pdl, kernels - with_pdl
     assert len(launched) >= 15, sorted(launched)
 
 

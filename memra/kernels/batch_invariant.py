@@ -17,6 +17,8 @@ the step's shape, on the GPU:
 - the router: :func:`memra.kernels.fused.router_logits` for every T (one fixed summation order);
 - the routed experts: the grouped GEMMs (:func:`memra.kernels.moe_prefill.moe_prefill`) with one
   fixed configuration (16-row pair blocks, the per-pair fixed-order combine) for every T;
+- not yet: the parallel path (its shards call cuBLAS) and MTP speculation (its drafting graphs pad
+  rows before the real ones); the engine refuses both with the mode on a GPU;
 - decode attention: the paged prefill kernel with each decode row as a sequence of one query
   (memra/engine/cuda_graph.py ``DecodeKV``), which is how a mixed prefill + decode step runs its
   decode rows, so a token gets the same attention in either kind of step
@@ -70,15 +72,18 @@ def batch_invariant() -> bool:
 
 
 def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Torch twin of :func:`invariant_matmul`: ``x @ w^T`` in fp32, cast to x's dtype."""
-    return (x.float() @ w.float().t()).to(x.dtype)
+    """Torch twin of :func:`invariant_matmul`: x rounded to w's dtype (as the kernel feeds the MMA),
+    ``x @ w^T`` in fp32, cast to x's dtype."""
+    return (x.to(w.dtype).float() @ w.float().t()).to(x.dtype)
 
 
 def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x @ w^T with a summation order that does not depend on T or on the other rows of x.
 
     Args:
-        x: [T, K] fp16 / bf16 / fp32 (cast to w's dtype for the products), on w's device.
+        x: [T, K] fp16 / bf16 / fp32, on w's device; rounded to w's dtype for the products (fp32
+            activations lose their low bits here, unlike the default fp32 path: the GPU model runs
+            bf16, where nothing is lost).
         w: [N, K] fp16 / bf16, unit stride along K.
     Returns: y [T, N] in x's dtype (fp32 accumulation). One launch (:data:`INVARIANT_TILE`), on the
     GPU; on the CPU only under the Triton interpreter (``TRITON_INTERPRET=1``).

@@ -156,6 +156,9 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, block_e: int = 1, block
         raise ValueError(f"router_logits: h must be bf16/fp16/fp32 with a unit stride along D, got {h.dtype} "
                          f"strides {h.stride()}")
     t, d = h.shape
+    if t > 65535:
+        raise ValueError(f"router_logits: {t} tokens in one call; at most 65535 (the launch grid's second "
+                         f"dimension)")
     e = router.shape[0]
     out = torch.empty(t, e, dtype=torch.float32, device=h.device)
     block_d = block_d or min(4096, _np2(d))
