@@ -185,3 +185,23 @@ def reference_model(tensors: dict[str, torch.Tensor], config: dict | None = None
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return model
+
+
+def greedy_alone_vs_batch(tmp_path: Path, n: int = 16, max_tokens: int = 48) -> list[tuple[int, int]]:
+    """Issue 14's batch-invariance check on the GPU: ``n`` random prompts (1-39 tokens after bos)
+    decoded greedily by the tiny model (seed 3) together in one batch, then each alone. Returns
+    (prompt, first differing token) for every prompt whose tokens differ."""
+    import random
+
+    from memra.engine.llm import LLM
+    from memra.engine.sampling import SamplingParams
+
+    d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
+    g = random.Random(1)
+    prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 40))] for _ in range(n)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(d), device="cuda", max_model_len=256, max_num_seqs=n)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    return [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y))
+            for i, (u, v) in enumerate(zip(alone, together)) if u != v]

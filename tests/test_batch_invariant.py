@@ -111,23 +111,10 @@ def test_tiny_step_greedy_is_batch_invariant_in_the_mode(tmp_path, monkeypatch):
     """Issue 14's batch invariance, in batch-invariant mode: the tiny Step model's greedy tokens on
     the GPU are the same when each of 16 prompts decodes alone (batch 1) as when all 16 decode
     together (batch 16). (Without the mode: tests/test_gpu_engine.py, a strict xfail.)"""
-    import random
-
-    from step35_tiny import VOCAB, make_tensors, write_llm_dir
-
-    from memra.engine.llm import LLM
-    from memra.engine.sampling import SamplingParams
+    from step35_tiny import greedy_alone_vs_batch
 
     monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
-    d = write_llm_dir(tmp_path / "tiny", make_tensors(3))
-    g = random.Random(1)
-    prompts = [[0] + [g.randrange(3, VOCAB) for _ in range(g.randrange(1, 40))] for _ in range(16)]
-    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(d), device="cuda", max_model_len=256, max_num_seqs=16)
-    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
-    diverged = [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y))
-                for i, (u, v) in enumerate(zip(alone, together)) if u != v]
+    diverged = greedy_alone_vs_batch(tmp_path)
     print(f"\nbatch-invariant mode, batch 1 vs batch 16: {len(diverged)} of 16 prompts differ: {diverged}")
     assert not diverged
 
