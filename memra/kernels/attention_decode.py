@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import torch
 
-from .batch_invariant import batch_invariant
 from .pdl import pdl_args
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
@@ -179,8 +178,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q, k_cache, v_cache, block_table, seq_lens, window, scale, gate: see the module docstring.
         out: optional preallocated [B, H, D] output of q's dtype (written in full).
-        num_splits: key partitions per sequence (default :func:`default_num_splits`; 1 in
-            batch-invariant mode, memra/kernels/batch_invariant.py).
+        num_splits: key partitions per sequence (default :func:`default_num_splits`).
         block_n, num_warps, num_stages: launch tuning (``block_n``: keys per loop step, a power of
             two >= 16, independent of the block size; defaults by shape).
     Returns:
@@ -201,9 +199,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode_attention: block_n {block_n} must be a power of two >= 16")
     max_blocks = block_table.shape[1]
-    if num_splits is None:  # batch-invariant mode: one partition, so a sequence's sums never depend on B
-        num_splits = 1 if batch_invariant() else default_num_splits(B, KV, max_blocks, bs, window, block_n,
-                                                                      _sm_count(q.device))
+    if num_splits is None:
+        num_splits = default_num_splits(B, KV, max_blocks, bs, window, block_n, _sm_count(q.device))
     num_splits = max(1, int(num_splits))
     if q.stride(2) != 1:
         q = q.contiguous()

@@ -17,13 +17,12 @@ the step's shape, on the GPU:
 - the router: :func:`memra.kernels.fused.router_logits` for every T (one fixed summation order);
 - the routed experts: the grouped GEMMs (:func:`memra.kernels.moe_prefill.moe_prefill`) with one
   fixed configuration (16-row pair blocks, the per-pair fixed-order combine) for every T;
-- not yet: the parallel path (its shards call cuBLAS) and MTP speculation (its drafting graphs pad
-  rows before the real ones); the engine refuses both with the mode on a GPU;
 - decode attention: the paged prefill kernel with each decode row as a sequence of one query
   (memra/engine/cuda_graph.py ``DecodeKV``), which is how a mixed prefill + decode step runs its
-  decode rows, so a token gets the same attention in either kind of step
-  (:func:`memra.kernels.attention_decode.paged_decode_attention` itself takes one key partition,
-  ``num_splits = 1``, where it is called directly).
+  decode rows, so a token gets the same attention in either kind of step (the split-KV decode
+  kernel, whose splits follow the batch size, is not used);
+- not yet: the parallel path (its shards call cuBLAS) and MTP speculation (its drafting graphs pad
+  rows before the real ones); the engine refuses both with the mode on a GPU.
 
 Per-token kernels (norms, RoPE, K/V writes, SwiGLU, sampling) are invariant already. Prefill
 attention does not look at other sequences, but it tiles a chunk's keys by the chunk's positions:
