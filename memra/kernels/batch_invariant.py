@@ -8,7 +8,7 @@ the roundings differ, so a greedy token can change with the batch it decodes in 
 llama.cpp behave the same by default; vLLM has an opt-in batch-invariant mode).
 
 ``MEMRA_BATCH_INVARIANT=1`` (or :func:`set_batch_invariant`) makes every choice independent of
-the step's shape, on the GPU:
+the step's shape, on the GPU (the CPU paths do not look at it):
 
 - every linear layer (attention projections, shared expert, dense MLP, LM head, any format):
   :func:`invariant_linear`, one Triton GEMM with one tile shape for every T (bf16 weights read as

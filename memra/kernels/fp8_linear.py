@@ -24,7 +24,8 @@ attention shapes, ``python3 benchmarks/fp8_w8a8_probe.py``: 1.3-1.8x faster than
 (prefill included), so a token's projections depend on the number of rows of its step: across
 that line (bf16 vs FP8 activations), and above it wherever :func:`fp8_linear_config` picks another
 tile or K split for another T (the same math, summed in another order: ~1e-7 relative). FP8
-weights are therefore not batch-invariant across that line. A row does not depend on the values
+weights are therefore not batch-invariant across that line (in batch-invariant mode,
+memra/kernels/batch_invariant.py, gpu_linear does not take this path at all). A row does not depend on the values
 of the other rows at one configuration. NaN in x does not propagate (the quantization's max drops
 it).
 """

@@ -53,7 +53,7 @@ def pdl_enabled(device: torch.device | str) -> bool:
     on = _OVERRIDE[0]
     if on is None:
         on = os.environ.get("MEMRA_PDL", "1") != "0"
-    if not on:
+    if not on or not torch.cuda.is_available():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _CAPABLE:
