@@ -258,3 +258,86 @@ def test_gpu_real_shapes(case):
     ref2 = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), table, cu, sl, window, D ** -0.5)
     err = (out2.float() - ref2).abs().max().item() / ref2.abs().max().item()
     assert err < 1e-2, err
+
+
+# ---------------------------------------------------------------------------------------
+# aligned tiles (batch-invariant mode): a query's bits do not depend on the rest of its launch
+
+
+def _alone_with_padding(q, table, specs, gate):
+    """Every query of ``specs`` as a sequence of one (n = 1 on its own prefix, its sequence's block
+    table) with a padding row (n = 1, seq_lens 0, table all -1) before each: the layout of the MTP
+    drafting graphs. Returns (q, table, cu, seq_lens, gate, rows of the real queries)."""
+    rows, tabs, lens, src, t = [], [], [], [], 0
+    for s, (P, n) in enumerate(specs):
+        for i in range(n):
+            tabs += [torch.full_like(table[s], -1), table[s]]
+            lens += [0, P + i + 1]
+            src += [t + i, t + i]
+            rows.append(len(src) - 1)
+        t += n
+    idx = torch.tensor(src, device=q.device)
+    cu = torch.arange(len(src) + 1, dtype=torch.int32, device=q.device)
+    return (q[idx].clone(), torch.stack(tabs), cu, torch.tensor(lens, dtype=torch.int32, device=q.device),
+            gate[idx].clone(), rows)
+
+
+def _check_aligned(q, kc, vc, table, cu, sl, gate, specs, window, scale, ref_tol, **launch):
+    """Same bits on the GPU; under the interpreter within 1e-3 (numpy's elementwise exp2 is not
+    the same bits at every position of an array: SIMD body vs scalar tail)."""
+    exact = q.device.type == "cuda"
+
+    def same_rows(a, b):
+        if exact:
+            return (a == b).flatten(1).all(1)
+        return ((a.float() - b.float()).abs() <= 1e-3 * b.float().abs().max()).flatten(1).all(1)
+
+    whole = paged_prefill_attention(q, kc, vc, table, cu, sl, window, scale, gate=gate, aligned=True, **launch)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), table, cu, sl, window, scale,
+                                      gate=gate.float())
+    err = float((whole.float() - ref).abs().max() / ref.abs().max())
+    assert err < ref_tol, err
+    qa, ta, cua, sla, ga, rows = _alone_with_padding(q, table, specs, gate)
+    alone = paged_prefill_attention(qa, kc, vc, ta, cua, sla, window, scale, gate=ga, max_q_len=1, aligned=True,
+                                    **launch)
+    pad = [r for r in range(qa.shape[0]) if r not in set(rows)]
+    assert torch.equal(alone[pad], torch.zeros_like(alone[pad])), "padding rows must be zeros"
+    ref_alone = paged_prefill_attention_ref(qa.float(), kc.float(), vc.float(), ta, cua, sla, window, scale,
+                                            gate=ga.float(), aligned=True)
+    assert torch.equal(ref_alone[pad], torch.zeros_like(ref_alone[pad]))
+    same = same_rows(alone[rows], whole)
+    assert bool(same.all()), f"rows that differ alone vs in their chunk: {(~same).nonzero().flatten().tolist()}"
+    # a verify-like split: each sequence's queries in chunks of 3 on their prefixes
+    for s, (P, n) in enumerate(specs):
+        t0 = int(cu[s])
+        for c0 in range(0, n, 3):
+            c1 = min(n, c0 + 3)
+            part = paged_prefill_attention(q[t0 + c0:t0 + c1], kc, vc, table[s:s + 1],
+                                           torch.tensor([0, c1 - c0], dtype=torch.int32, device=q.device),
+                                           torch.tensor([P + c1], dtype=torch.int32, device=q.device), window, scale,
+                                           gate=gate[t0 + c0:t0 + c1], aligned=True, **launch)
+            assert bool(same_rows(part, whole[t0 + c0:t0 + c1]).all()), (s, c0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real-shape twin below")
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_aligned_query_has_the_same_bits_alone_in_chunks_and_whole(window):
+    """``aligned=True``: each query alone (n = 1, padding rows between), in chunks of 3, and in its
+    whole chunk gives the same result (the same bits on the GPU: the twin below), close to the
+    reference; padding rows give zeros. Caches are NaN outside what a query may read (released
+    pages before the window included)."""
+    specs = [(21, 14), (3, 9), (40, 1)]
+    H, KV, D = 4, 2, 16
+    q, kc, vc, table, cu, sl, gate, _ = _make(specs, H, KV, D, window, bs=4, dtype=torch.float16, seed=5, gate=True)
+    _check_aligned(q, kc, vc, table, cu, sl, gate, specs, window, D ** -0.5, 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512])
+def test_gpu_aligned_query_has_the_same_bits_alone_in_chunks_and_whole(window):
+    """The aligned tiles at the flagship's shapes (bf16, H 64 / 96, KV 8, D 128), prefixes across
+    several key tiles and past the window."""
+    specs = [(700, 40), (5, 17), (1300, 1)]
+    H = 64 if window is None else 96
+    q, kc, vc, table, cu, sl, gate = _gpu_case(specs, H, 8, 128, window, seed=2)
+    _check_aligned(q, kc, vc, table, cu, sl, gate, specs, window, 128 ** -0.5, 1e-2)

@@ -42,6 +42,7 @@ class DecodeKV:
     def __init__(self, cache: PagedKVCache, tables: list[torch.Tensor], seq_lens: torch.Tensor,
                  slots: list[torch.Tensor]):
         self.cache, self.tables, self.seq_lens, self.slots = cache, tables, seq_lens, slots
+        self._cu = None  # batch-invariant mode: one query per row (attend)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,9 +51,11 @@ class DecodeKV:
         the kernels' torch twins run instead (the MTP proposer's padded rows are tested there).
 
         In batch-invariant mode (memra/kernels/batch_invariant.py) the GPU runs the paged prefill
-        kernel instead, each row a sequence of one query, as a mixed prefill + decode step runs its
-        decode rows: so a token's attention is the same whether its step holds prefill chunks or
-        not (padding rows, context 0, get no query and zeros)."""
+        kernel instead, each row a sequence of one query, with tiles aligned (``aligned``), as a
+        mixed prefill + decode step runs its decode rows: so a token's attention is the same bits
+        whether its step holds prefill chunks, other sequences, or its own drafts (a verify step)
+        or not. Padding rows (context 0, anywhere: the MTP drafting graphs pad before the real
+        rows) get zeros."""
         from ..kernels import attention_decode, fused
         from ..kernels.batch_invariant import batch_invariant
 
@@ -65,11 +68,10 @@ class DecodeKV:
             from ..kernels.attention_prefill import paged_prefill_attention
 
             b = q.shape[0]
-            cu = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-            cu[1:] = torch.cumsum((self.seq_lens > 0).to(torch.int32), 0)  # padding rows come last
-            out = torch.zeros_like(q)
-            return paged_prefill_attention(q, kc, vc, self.tables[gi], cu, self.seq_lens, window, scale, gate=gate,
-                                           out=out, max_q_len=1)
+            if self._cu is None:  # once per step (the layers share it)
+                self._cu = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+            return paged_prefill_attention(q, kc, vc, self.tables[gi], self._cu, self.seq_lens, window, scale,
+                                           gate=gate, max_q_len=1, aligned=True)
         attend = attention_decode.paged_decode_attention_ref if cpu else attention_decode.paged_decode_attention
         return attend(q, kc, vc, self.tables[gi], self.seq_lens, window, scale, gate=gate)
 

@@ -182,15 +182,10 @@ class EngineConfig:
             if self.speculative_method == "mtp":
                 raise ValueError("speculative_method='mtp' with tensor parallelism is not supported yet (the MTP "
                                  "layers would need the vocabulary-parallel embedding and head on every rank)")
-        if dev.type == "cuda" and batch_invariant():  # refused rather than silently not invariant / wrong
-            if self.parallel:
-                raise ValueError("MEMRA_BATCH_INVARIANT=1 with the parallel path (tensor_parallel_size / "
-                                 "enable_expert_parallel / deterministic) is not supported yet: its GPU shards "
-                                 "call cuBLAS, whose summation order follows the batch")
-            if self.speculative_method == "mtp":
-                raise ValueError("MEMRA_BATCH_INVARIANT=1 with speculative_method='mtp' is not supported yet: the "
-                                 "MTP drafting graphs pad rows before the real ones, which the mode's decode "
-                                 "attention (memra/engine/cuda_graph.py DecodeKV) does not handle")
+        if dev.type == "cuda" and batch_invariant() and self.parallel:  # refused rather than not invariant
+            raise ValueError("MEMRA_BATCH_INVARIANT=1 with the parallel path (tensor_parallel_size / "
+                             "enable_expert_parallel / deterministic) is not supported yet: its GPU shards "
+                             "call cuBLAS, whose summation order follows the batch")
 
 
 @dataclass

@@ -8,19 +8,23 @@ import triton.language as tl
 
 @triton.jit
 def _prefill_tiles(
-    acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, start, end, window, qk_scale,
+    acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, start, end, guard_lo, window, qk_scale,
     s_kn, s_kt, s_vn, s_vt,
     D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, CAST_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, CAST_F32: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # keys [start, end), BLOCK_N at a time, gathered through the block table. MASKED=False only
     # for ranges of whole tiles that every row of the block sees entirely (no mask, no guards).
+    # ALIGNED: start may lie below the keys any row sees (rounded down to a tile edge); keys
+    # below guard_lo are then not loaded (their pages may be released).
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for k0 in range(start, end, BLOCK_N):
         kpos = k0 + offs_n
         if MASKED:
             kin = kpos < end
+            if ALIGNED:
+                kin = kin & (kpos >= guard_lo)
             blk = tl.load(bt_row + kpos // BS, mask=kin, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + kpos // BS).to(tl.int64)
@@ -72,6 +76,7 @@ def _prefill_kernel(
     s_qt, s_qh, s_kn, s_kt, s_kh, s_vn, s_vt, s_vh, s_btb, s_gt, s_ot, s_oh,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr, CAST_F32: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     # program (query block, kv head, sequence). The block's BLOCK_M rows are the flattened
     # (query, head-of-group) rows f = i * G + g, f in [mb * BLOCK_M, (mb + 1) * BLOCK_M), so the
@@ -103,7 +108,8 @@ def _prefill_kernel(
 
     # key ranges: the block's queries sit at p_first..p_last and together see [lo, hi);
     # [b, c) (whole BLOCK_N tiles) is seen by every row: no mask there. [lo, b) is the window's
-    # lower edge, [c, hi) the causal diagonal (plus the tail of a partial tile).
+    # lower edge, [c, hi) the causal diagonal (plus the tail of a partial tile). ALIGNED instead
+    # walks [lo rounded down to a tile edge, hi), all masked (see below).
     p_first = P + f0 // G
     p_last = P + (tl.minimum(f0 + BLOCK_M, rows) - 1) // G
     hi = p_last + 1
@@ -121,18 +127,30 @@ def _prefill_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * s_btb
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
-    if HAS_WINDOW:
-        acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, lo, b, window, qk_scale,
+    if ALIGNED:
+        # batch-invariant mode: key tiles at multiples of BLOCK_N and one (masked) code path for
+        # all of them, whichever queries share the block, so a query's online softmax takes the
+        # same steps at any q_len (one query of a decode step, a verify step's drafts, a chunk)
+        acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, (lo // BLOCK_N) * BLOCK_N, hi,
+                                       lo, window, qk_scale, s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N,
+                                       MASKED=True, HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32,
+                                       ALIGNED=True)
+    else:
+        if HAS_WINDOW:
+            acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, lo, b, lo, window,
+                                           qk_scale, s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N, MASKED=True,
+                                           HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32, ALIGNED=False)
+        acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, b, c, lo, window, qk_scale,
+                                       s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N, MASKED=False,
+                                       HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32, ALIGNED=False)
+        acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, c, hi, lo, window, qk_scale,
                                        s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N, MASKED=True,
-                                       HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32)
-    acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, b, c, window, qk_scale,
-                                   s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N, MASKED=False,
-                                   HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32)
-    acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, qpos, k_base, v_base, bt_row, c, hi, window, qk_scale,
-                                   s_kn, s_kt, s_vn, s_vt, D=D, BS=BS, BLOCK_N=BLOCK_N, MASKED=True,
-                                   HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32)
+                                       HAS_WINDOW=HAS_WINDOW, IEEE=IEEE, CAST_F32=CAST_F32, ALIGNED=False)
 
-    # every query sees at least itself, so l > 0
+    # every query sees at least itself, so l > 0; but ALIGNED also admits rows with a context
+    # of 0 (n_s = 1, seq_lens 0: padding rows of a decode step), which get zeros
+    if ALIGNED:
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     if HAS_GATE:
         gt = tl.load(gate_ptr + tq * s_gt + head).to(tl.float32)

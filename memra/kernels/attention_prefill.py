@@ -37,7 +37,10 @@ Kernel (``_prefill_kernel``, FlashAttention-2 style tiling, no O(T^2) memory):
   (masked; at most p_last - p_first keys), whole tiles ``[b, c)`` that every row sees in full
   (no mask, no bounds checks: the bulk of the work) and the causal diagonal ``[c, p_last]``
   (masked). So a sliding layer touches ~``window + BLOCK_M / G`` keys per block, whatever the
-  prefix length.
+  prefix length. ``aligned`` (batch-invariant mode) walks ``[lo rounded down to a multiple of
+  BLOCK_N, p_last]`` instead, every tile through the masked path: the tiles a query meets, and
+  the instructions that meet them, then do not depend on the block's other queries, so its
+  bits are those of the same query at any q_len (a decode row, a verify row, any chunk split).
 - Launch config (:func:`default_prefill_launch`, measured on the H200): D = 128 bf16/fp16:
   BLOCK_M 128, BLOCK_N 64 (32 with a sliding window), 4 warps, 3 stages. fp32 operands (IEEE
   dots, no tensor cores) 32 x 16 (larger tiles spill); under the Triton interpreter 16 x 16.
@@ -101,14 +104,15 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                 window: int | None, scale: float, gate: torch.Tensor | None = None,
                                 out: torch.Tensor | None = None, max_q_len: int | None = None,
-                                **_launch) -> torch.Tensor:
+                                aligned: bool | None = None, **_launch) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (a loop over sequences; syncs).
 
     K/V are converted to q's dtype (as :class:`~memra.engine.kv_cache.PagedBatch` does), then
     scores, softmax and ``P V`` are computed in fp32 (queries in chunks of 1024 rows, so the
     score matrix stays bounded); the gate is applied in fp32 and the result rounded once to q's
     dtype. Rows of q outside ``cu[0] .. cu[S]`` are zeros. ``max_q_len`` and launch keywords
-    are ignored.
+    are ignored; ``aligned`` (as the kernel's; None: batch-invariant mode) only admits padding
+    rows (``n_s = 1``, ``seq_lens[s] = 0``: zeros).
 
     Raises:
         ValueError: as :func:`paged_prefill_attention`, plus inconsistent ``cu_seqlens_q`` /
@@ -123,10 +127,14 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{_NAME}: cu_seqlens_q must be non-decreasing within [0, {T}], got {cu}")
     G = H // KV
+    if aligned is None:
+        from .batch_invariant import batch_invariant
+
+        aligned = batch_invariant()
     res = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     for s in range(S):
         n, L = cu[s + 1] - cu[s], lens[s]
-        if n == 0:
+        if n == 0 or (n == 1 and L == 0 and aligned):
             continue
         if n > L:
             raise ValueError(f"{_NAME}: sequence {s} has {n} new queries but seq_lens {L} < {n}")
@@ -188,7 +196,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None, scale: float, gate: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, max_q_len: int | None = None, *,
                             block_m: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            aligned: bool | None = None) -> torch.Tensor:
     """Prefill attention of ``q`` [T, H, D] over the paged cache (module docstring), by Triton.
 
     Args:
@@ -199,6 +208,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             leaves the excess rows unwritten). None: computed from ``cu_seqlens_q`` (one sync).
         block_m, block_n, num_warps, num_stages: launch tuning (powers of two >= 16 for the
             blocks; defaults :func:`default_prefill_launch`).
+        aligned: walk every block's keys in tiles at multiples of ``block_n``, all through one
+            masked code path, so that a query's output does not depend on which other queries of
+            its sequence share the launch (its own q_len, a chunk's split): the same bits as a
+            decode row, a verify row or a prefill row. A sequence may then also have ``n_s = 1``
+            with ``seq_lens[s] = 0`` (a padding row): its output is zeros. None (default): on in
+            batch-invariant mode (:mod:`memra.kernels.batch_invariant`).
     Returns:
         [T, H, D] in q's dtype (``out`` when given).
     Raises:
@@ -223,6 +238,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"{_NAME}: {name} {v} must be a power of two >= 16")
     if not _pow2(num_warps) or num_stages < 1:
         raise ValueError(f"{_NAME}: num_warps {num_warps} must be a power of two, num_stages {num_stages} >= 1")
+    if aligned is None:
+        from .batch_invariant import batch_invariant
+
+        aligned = batch_invariant()
     if q.stride(2) != 1:
         q = q.contiguous()
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -253,7 +272,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), s_gt,
         out.stride(0), out.stride(1),
         G=G, D=D, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None,
-        HAS_GATE=gate is not None, IEEE=q.dtype == torch.float32 or mixed, CAST_F32=mixed,
+        HAS_GATE=gate is not None, IEEE=q.dtype == torch.float32 or mixed, CAST_F32=mixed, ALIGNED=bool(aligned),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -17,20 +17,25 @@ the step's shape, on the GPU (the CPU paths do not look at it):
 - the router: :func:`memra.kernels.fused.router_logits` for every T (one fixed summation order);
 - the routed experts: the grouped GEMMs (:func:`memra.kernels.moe_prefill.moe_prefill`) with one
   fixed configuration (16-row pair blocks, the per-pair fixed-order combine) for every T;
-- decode attention: the paged prefill kernel with each decode row as a sequence of one query
-  (memra/engine/cuda_graph.py ``DecodeKV``), which is how a mixed prefill + decode step runs its
-  decode rows, so a token gets the same attention in either kind of step (the split-KV decode
+- attention: the paged prefill kernel with its key tiles aligned to multiples of BLOCK_N and
+  walked through one masked code path (``aligned``, memra/kernels/attention_prefill.py), for
+  prefill chunks and for decode rows alike (memra/engine/cuda_graph.py ``DecodeKV`` runs each
+  decode row as a sequence of one query; padding rows anywhere get zeros). A query's online
+  softmax then takes the same steps whichever queries share its launch, so its bits are the same
+  as a decode row, a speculative verify row or a row of any prefill chunk (the split-KV decode
   kernel, whose splits follow the batch size, is not used);
-- not yet: the parallel path (its shards call cuBLAS) and MTP speculation (its drafting graphs pad
-  rows before the real ones); the engine refuses both with the mode on a GPU.
+- not yet: the parallel path (its shards call cuBLAS); the engine refuses it with the mode on a
+  GPU.
 
-Per-token kernels (norms, RoPE, K/V writes, SwiGLU, sampling) are invariant already. Prefill
-attention does not look at other sequences, but it tiles a chunk's keys by the chunk's positions:
-a prompt gives the same bits when it is prefilled in the same chunks (one chunk when it fits the
-step's token budget), not when the scheduler cuts it elsewhere. The cost: decode at batch 1
-runs tensor-core tiles of 16 tokens and the linear layers lose cuBLAS (measure with ``memra bench
-decode`` under ``MEMRA_BATCH_INVARIANT=1``). Checked by tests/test_batch_invariant.py and, on the
-GPU, by the tiny Step model's greedy tokens at batch 1 vs batch 16.
+Per-token kernels (norms, RoPE, K/V writes, SwiGLU, sampling) are invariant already. So a greedy
+request decodes to the same tokens alone or in any batch, with CUDA graphs or eager steps, with
+its prompt prefilled in any chunks or found in the prefix cache, and with MTP speculation or
+without (verification then accepts exactly the tokens plain decoding would produce). The cost:
+decode at batch 1 runs tensor-core tiles of 16 tokens and the linear layers lose cuBLAS (measure
+with ``memra bench decode`` under ``MEMRA_BATCH_INVARIANT=1``). Checked by
+tests/test_batch_invariant.py and tests/test_kernels_attention_prefill.py (aligned tiles) and, on
+the GPU, by the tiny Step model's greedy tokens at batch 1 vs batch 16 and with graphs, eager
+steps, chunks of 16 and MTP K = 1 and 3.
 
 Why a tile computes a token's output the same way whatever else is in it: :func:`invariant_matmul`
 puts the weights on the MMA's M side and the tokens on its N side (16 per tile); an MMA computes
