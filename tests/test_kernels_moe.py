@@ -263,35 +263,6 @@ def test_default_config_and_uneven_k():
         assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 0.5)) <= (2e-3 if fmt == "nvfp4" else 1e-5), fmt
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "q8_0"])  # the fp16x2 and the fp32 inner products
-def test_split_gate_up_matches_one_program_and_resets_its_counters(fmt):
-    """``split_gu`` > 1 (gate+up split along D, the last program of a tile adds the partials in
-    split order and applies the SwiGLU): close to the one-split result and the reference, the
-    same bits on a second call (deterministic; the counters were reset), a D that the split does
-    not divide evenly (fewer programs than asked), and tokens sharing an expert (chunks)."""
-    from memra.kernels import moe_decode as md
-
-    i = _i(fmt)
-    d = 384
-    gu, down, _ = _banks(fmt, i, d=d, seed=21)
-    g = torch.Generator().manual_seed(22)
-    for t, k, splits in ((1, 2, (2,)), (5, 3, (5,))):  # 3 steps of 128: 2 + 1 steps; 5 -> 3 x 1
-        index, weight = _routing(t, k, 6, g)
-        x = torch.randn(t, d, generator=g)
-        base = dataclasses.replace(_big_tiles(fmt, t, i, d), bk1=128, bn=128, nc=2)
-        r = moe_decode_ref(x, index, weight, gu, down, 0.5)
-        y1 = moe_decode(x, index, weight, gu, down, 0.5, config=base)
-        for split in splits:
-            cfg = dataclasses.replace(base, split_gu=split)
-            y = moe_decode(x, index, weight, gu, down, 0.5, config=cfg)
-            assert _rel(y, r) <= _tol(fmt, cfg), (fmt, t, split)
-            assert _rel(y, y1) <= _tol(fmt, cfg), (fmt, t, split)
-            assert torch.equal(moe_decode(x, index, weight, gu, down, 0.5, config=cfg), y), (fmt, t, split)
-            assert int(md._COUNTERS[x.device].abs().sum()) == 0
-    with pytest.raises(ValueError, match="invalid config"):
-        moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(base, split_gu=0))
-
-
 # ---------------------------------------------------------------------------------------
 # agreement with the model's math (memra/models/step3p5.py)
 
@@ -400,11 +371,6 @@ def test_flagship_shape(fmt, flagship_banks):
         assert _rel(yt, r) <= tol, (fmt, t, "triton grouping")
         y = moe_decode(x, index, weight, gu, down, 7.0)
         assert y.dtype == torch.bfloat16 and _rel(y, r) <= 1e-2, (fmt, t, _rel(y, r))
-        for split in (2, 4):  # gate+up split along D (the last program of a tile finishes it)
-            cs = dataclasses.replace(default_moe_config(fmt, t, 8, 288, 1280, 4096), split_gu=split)
-            ys = moe_decode(x.float(), index, weight, gu, down, 7.0, config=cs)
-            assert _rel(ys, r) <= tol, (fmt, t, split, _rel(ys, r))
-            assert torch.equal(moe_decode(x.float(), index, weight, gu, down, 7.0, config=cs), ys), (fmt, t, split)
 
 
 @pytest.mark.gpu

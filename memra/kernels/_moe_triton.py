@@ -23,12 +23,11 @@ def _act_store(ptr, y, ra, m, limit, BA: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
-              stride_x, stride_wn, stride_sn, limit, part, rw, W2,
+              stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BA: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr):
-    # tokens c0 .. c0 + NC - 1 of the slot (sorted positions start + c0 + i), columns [k_lo, K);
-    # SPLIT > 1: the raw [2 BA] sums go to this split's partial rows (part: row stride W2), SwiGLU later
+              HAS_LIMIT: tl.constexpr):
+    # tokens c0 .. c0 + NC - 1 of the slot (sorted positions start + c0 + i)
     p0 = tl.load(perm_ptr + start + c0, mask=c0 < cnt, other=0)
     xp0 = x_ptr + (p0 // topk).to(tl.int64) * stride_x
     xp1 = xp0
@@ -44,39 +43,24 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
         xp3 = x_ptr + (p3 // topk).to(tl.int64) * stride_x
     y0, y1, y2, y3 = _dot_cols(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
                                stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, False)
-    if SPLIT > 1:
-        prow = part + (start + c0).to(tl.int64) * W2 + rw
-        tl.store(prow, y0, mask=c0 < cnt)
-        if NC > 1:
-            tl.store(prow + W2, y1, mask=c0 + 1 < cnt)
-        if NC > 2:
-            tl.store(prow + 2 * W2, y2, mask=c0 + 2 < cnt)
-            tl.store(prow + 3 * W2, y3, mask=c0 + 3 < cnt)
-    else:
-        row = act_ptr + (start + c0).to(tl.int64) * I
-        _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
-        if NC > 1:
-            _act_store(row + I, y1, ra, a_ok & (c0 + 1 < cnt), limit, BA, HAS_LIMIT)
-        if NC > 2:
-            _act_store(row + 2 * I, y2, ra, a_ok & (c0 + 2 < cnt), limit, BA, HAS_LIMIT)
-            _act_store(row + 3 * I, y3, ra, a_ok & (c0 + 3 < cnt), limit, BA, HAS_LIMIT)
+    row = act_ptr + (start + c0).to(tl.int64) * I
+    _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
+    if NC > 1:
+        _act_store(row + I, y1, ra, a_ok & (c0 + 1 < cnt), limit, BA, HAS_LIMIT)
+    if NC > 2:
+        _act_store(row + 2 * I, y2, ra, a_ok & (c0 + 2 < cnt), limit, BA, HAS_LIMIT)
+        _act_store(row + 3 * I, y3, ra, a_ok & (c0 + 3 < cnt), limit, BA, HAS_LIMIT)
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, sc_ptr, part_ptr, ctr_ptr,
-                        topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit, k_per_split, P,
+def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, sc_ptr,
+                        topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit,
                         FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                         NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr = 1,
-                        PDL: tl.constexpr = False):
+                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False):
     """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
     j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
-    W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...).
-    SPLIT > 1: program pid2 takes columns [pid2 * k_per_split, + k_per_split) of K and stores its
-    raw sums to part [SPLIT, P, n_a * 2 BA] (P pairs, n_a = grid dim 0); the program that
-    arrives last at the tile's counter (ctr [slots, n_a] int32, zero between launches: the last
-    program resets it) adds the SPLIT partials in split order (deterministic, whatever the
-    arrival order) and applies the SwiGLU."""
+    W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
     pdl_enter(PDL)
     pid_a = tl.program_id(0)
     slot = tl.program_id(1)
@@ -96,48 +80,20 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
     n_ok = j < I
     ra = pid_a * BA + tl.arange(0, BA)
     a_ok = ra < I
-    W2 = tl.num_programs(0) * (2 * BA)
-    if SPLIT > 1:
-        pid_k = tl.program_id(2)
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(K, k_lo + k_per_split)
-        part = part_ptr + pid_k.to(tl.int64) * P * W2 + pid_a * (2 * BA)
-    else:
-        k_lo = pid_a * 0  # a tensor, not a constexpr 0 (_h2_load applies tl.multiple_of to it)
-        k_hi = K
-        part = part_ptr
+    k_lo = pid_a * 0  # a tensor, not a constexpr 0 (_h2_load applies tl.multiple_of to it)
     for c0 in range(0, cnt - (NC - 1), NC):
-        _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, k_hi,
-                  stride_x, stride_wn, stride_sn, limit, part, rw, W2, FMT, BA, G, GS, NC, EVEN_K, ASM, F16,
-                  PREFETCH, HAS_LIMIT, SPLIT)
+        _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
+                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
-            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, k_hi,
-                      stride_x, stride_wn, stride_sn, limit, part, rw, W2, FMT, BA, G, GS, 2, EVEN_K, ASM, F16,
-                      PREFETCH, HAS_LIMIT, SPLIT)
+            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
-            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, k_hi,
-                      stride_x, stride_wn, stride_sn, limit, part, rw, W2, FMT, BA, G, GS, 1, EVEN_K, ASM, F16,
-                      PREFETCH, HAS_LIMIT, SPLIT)
-    if SPLIT > 1:
-        if cnt > 0:
-            # every thread's partial stores before the one release; the last arrival acquires
-            tl.debug_barrier()
-            ctr = ctr_ptr + slot * tl.num_programs(0) + pid_a
-            arrived = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                tl.debug_barrier()
-                base = part_ptr + pid_a * (2 * BA) + rw
-                for c in range(0, cnt):
-                    r = (start + c).to(tl.int64) * W2
-                    y = tl.load(base + r, cache_modifier=".cg")
-                    for sp in tl.static_range(1, SPLIT):
-                        y += tl.load(base + sp * P * W2 + r, cache_modifier=".cg")
-                    _act_store(act_ptr + (start + c).to(tl.int64) * I, y, ra, a_ok, limit, BA, HAS_LIMIT)
-                tl.store(ctr, 0)  # ready for the next launch
+            _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
 
 
 @triton.jit

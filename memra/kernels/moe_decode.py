@@ -453,10 +453,6 @@ class MoeDecodeConfig:
 
     gate+up kernel: ``ba`` act columns per program (2 * ba weight rows), ``bk1`` columns of D
     per loop step, ``nc`` tokens per chunk (1, 2 or 4; chunks of 2 and 1 finish a slot).
-    ``split_gu``: gate+up programs per (columns, slot) tile along D, each over D / split_gu columns
-    (more programs to fill the SMs: at T = 1 the nvfp4 tile grid is 40 x 8 = 320 programs, 1.2 waves
-    of the 264 that fit an H100 at 197 registers); the last program of a tile to finish adds the
-    partial sums in split order and applies the SwiGLU (no extra launch; deterministic).
     down kernel: ``bn`` rows of D per program, ``bk2`` columns of I per step, ``split_k``.
     ``f16``: fp16x2 path for nvfp4 and fp8 (memra/kernels/gemv.py; fp8 needs D and I multiples
     of 16; ignored for other formats); ``prefetch``: next weight tile
@@ -476,7 +472,6 @@ class MoeDecodeConfig:
     ba: int = 32
     bk1: int = 512
     nc: int = 4
-    split_gu: int = 1
     bn: int = 64
     bk2: int = 256
     split_k: int = 1
@@ -525,26 +520,6 @@ def wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
     ``add``, so a producer of ``add`` on another stream overlaps their routed-expert kernels."""
     if stream is not None:
         torch.cuda.current_stream(device).wait_stream(stream)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] arrival counters of the split gate+up kernel on ``device``, zero between launches
-    (the last program of each tile resets its own). One buffer per device, kept for the process:
-    launches on one stream run one after another, and a dependent launch (PDL) waits for the grid
-    before it. Allocated outside CUDA-graph capture (a graph replays into the same buffer).
-
-    Raises: RuntimeError when a larger buffer would be needed during a capture."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"moe_decode: the split gate+up kernel needs {n} counters on {device}, first "
-                               "asked for inside a CUDA-graph capture; run the layer once before capturing")
-        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def _kernels():
@@ -598,7 +573,6 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
             raise ValueError(f"moe_decode: block {bk} must be a power of two, a multiple of {gs} for {b.fmt} "
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
-            or not isinstance(cfg.split_gu, int) or cfg.split_gu < 1
             or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
@@ -637,21 +611,12 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
     h2a = gate_up.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(gate_up, h2a)
     bk1 = cfg.bk1
-    n_a = -(-i // cfg.ba)
-    steps1 = -(-d // bk1)
-    kps1 = -(-steps1 // min(cfg.split_gu, steps1)) * bk1  # whole loop steps per split
-    split1 = -(-d // kps1)
-    if split1 > 1:
-        part = torch.empty(split1, t * topk, n_a * 2 * cfg.ba, dtype=torch.float32, device=x.device)
-        ctr = _split_counters(x.device, s * n_a)
-    else:
-        part = ctr = act
-    k1[(n_a, s, split1)](
-        x, gate_up.data, sc, act, perm, slot_e, slot_start, slot_cnt, part, ctr,
-        topk, i, d, x.stride(0), swe, swn, sse, ssn, lim, kps1, t * topk,
+    k1[(-(-i // cfg.ba), s)](
+        x, gate_up.data, sc, act, perm, slot_e, slot_start, slot_cnt,
+        topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
-        HAS_LIMIT=has_limit, SPLIT=split1, num_warps=cfg.num_warps, **pdl_args(x.device))
+        HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **pdl_args(x.device))
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
