@@ -31,11 +31,16 @@ def main() -> None:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (H100: 24)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     dev = torch.device("cuda")
-    model = build_gpu_model(load_geometry("full") | {"mtp_layers": 0}, 0, dev, "nvfp4", progress=False)
+    geometry = load_geometry("full") | {"mtp_layers": 0}
+    if a.layers:
+        geometry["layers"] = a.layers
+        geometry["clamp_layers"] = [i for i in geometry["clamp_layers"] if i < a.layers]
+    model = build_gpu_model(geometry, 0, dev, "nvfp4", progress=False)
     bs, max_b = 16, max(batches)
     per_seq = -(-(a.context + 1) // bs)
     groups = kv_groups(model.config)
@@ -76,13 +81,14 @@ def main() -> None:
         print(f"\nB={b}: wall {wall_us:.1f} µs/step; kernels {len(kernels) / a.reps:.0f}/step, busy {busy:.1f} µs, "
               f"span {span:.1f} µs, idle inside the span {span - busy:.1f} µs")
         print("| kernel | per step | µs/step | mean µs |\n| --- | --- | --- | --- |")
-        for n, c, t in rows[:25]:
+        for n, c, t in rows[:40]:
             print(f"| {n[:90]} | {c:.0f} | {t:.1f} | {t / c:.2f} |")
         out[b] = {"wall_us": wall_us, "kernels_per_step": len(kernels) / a.reps, "busy_us": busy, "span_us": span,
                   "by_kernel": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows]}
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "context": a.context, "batches": out}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "context": a.context, "layers": model.config.num_layers,
+                       "batches": out}, f, indent=1)
 
 
 if __name__ == "__main__":
