@@ -99,51 +99,6 @@ def test_errors():
         rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6)
 
 
-def _check_kv_write(T, H, KV, Dh, rot, dtype, cache_dtype, device, seed):
-    """qk_norm_rope(kv_write=...) against qk_norm_rope then kv_write: the same q, k and the same
-    cache bits at the given slots (shuffled, not every slot used; the rest of the caches,
-    random, untouched)."""
-    from memra.kernels.fused import kv_write, kv_write_ref
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    fused = (torch.randn(T, (H + 2 * KV) * Dh + H, generator=g, device=device) * 2).to(dtype)
-    q = fused[:, :H * Dh].view(T, H, Dh)
-    k = fused[:, H * Dh:(H + KV) * Dh].view(T, KV, Dh)
-    v = fused[:, (H + KV) * Dh:(H + 2 * KV) * Dh].view(T, KV, Dh)
-    qw = torch.rand(Dh, generator=g, device=device) + 0.5
-    kw = torch.rand(Dh, generator=g, device=device) + 0.5
-    cos, sin = rope_cos_sin(_lc(Dh, rot, 1e4, None), torch.arange(30, 30 + T, device=device), dtype)
-    blocks, bs = 2 * T // 4 + 2, 4
-    kc = torch.randn(blocks, bs, KV, Dh, generator=g, device=device).to(cache_dtype)
-    vc = torch.randn(blocks, bs, KV, Dh, generator=g, device=device).to(cache_dtype)
-    slots = torch.randperm(blocks * bs, generator=g, device=device)[:T]
-    kc2, vc2 = kc.clone(), vc.clone()
-    qo, ko = qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, kv_write=(v, kc, vc, slots))
-    qa, ka = qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
-    (kv_write if device == "cuda" else kv_write_ref)(ka, v, kc2, vc2, slots)
-    assert torch.equal(qo, qa) and torch.equal(ko, ka)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real-shape twin below")
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
-def test_qk_norm_rope_writes_the_kv_cache_as_kv_write_does(cache_dtype):
-    _check_kv_write(5, 4, 2, 32, 16, torch.float16, cache_dtype, "cpu", 3)
-
-
-def test_kv_write_errors():
-    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
-    cos = torch.randn(2, 64)
-    kc = torch.zeros(3, 4, 2, 64)
-    with pytest.raises(ValueError, match="kv_write needs v"):
-        qk_norm_rope(q, k, None, None, 1e-6, cos, cos, kv_write=(k[:1], kc, kc, torch.zeros(2, dtype=torch.int64)))
-    with pytest.raises(ValueError, match="slots must be int64"):
-        qk_norm_rope(q, k, None, None, 1e-6, cos, cos, kv_write=(k, kc, kc, torch.zeros(2, dtype=torch.int32)))
-    with pytest.raises(ValueError, match="contiguous"):
-        qk_norm_rope(q, k, None, None, 1e-6, cos, cos,
-                     kv_write=(k, kc.transpose(0, 1), kc.transpose(0, 1), torch.zeros(2, dtype=torch.int64)))
-
-
 # ---------------------------------------------------------------------------------------
 # GPU: real shapes, bf16
 
@@ -191,11 +146,3 @@ def test_gpu_rms_norm(T, D):
     yr, sr = rms_norm_ref(x, w, 1e-5, residual=r)
     assert torch.equal(s, sr)
     _close(y, yr, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 300])
-def test_gpu_qk_norm_rope_writes_the_kv_cache_as_kv_write_does(T):
-    """The Step-3.5 sliding shape (H 96, KV 8, Dh 128, bf16), bf16 and fp32 caches."""
-    for cache_dtype in (torch.bfloat16, torch.float32):
-        _check_kv_write(T, 96, 8, 128, 64, torch.bfloat16, cache_dtype, "cuda", T)

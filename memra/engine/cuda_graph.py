@@ -38,24 +38,15 @@ class DecodeKV:
     """
 
     fuses_gate = True  # attend() takes the head gate (applied in the attention kernel's epilogue)
-    fuses_kv_write = True  # the layer may write K/V itself (kv_write_target), then attend(written=True)
 
     def __init__(self, cache: PagedKVCache, tables: list[torch.Tensor], seq_lens: torch.Tensor,
                  slots: list[torch.Tensor]):
         self.cache, self.tables, self.seq_lens, self.slots = cache, tables, seq_lens, slots
         self._cu = None  # batch-invariant mode: one query per row (attend)
 
-    def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache, slots) where this step's K/V rows of ``layer`` go: for a caller that
-        writes them itself (memra/kernels/norm_rope.py ``qk_norm_rope(kv_write=...)``) and then
-        calls :meth:`attend` with ``written=True``."""
-        cache = self.cache
-        return cache.k[layer], cache.v[layer], self.slots[cache.layer_group[layer]]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-               scale: float, gate: torch.Tensor | None = None, written: bool = False) -> torch.Tensor:
-        """Write k, v [B, KV, D] to their slots (unless ``written``: the caller wrote them to
-        :meth:`kv_write_target`), then attend q [B, H, D] -> [B, H, D] over the pages
+               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k, v [B, KV, D] to their slots, then attend q [B, H, D] -> [B, H, D] over the pages
         (memra/kernels/attention_decode.py; ``gate`` [B, H]: output times sigmoid(gate)). On the CPU
         the kernels' torch twins run instead (the MTP proposer's padded rows are tested there).
 
@@ -72,8 +63,7 @@ class DecodeKV:
         gi = cache.layer_group[layer]
         kc, vc = cache.k[layer], cache.v[layer]
         cpu = q.device.type == "cpu"
-        if not written:
-            (fused.kv_write_ref if cpu else fused.kv_write)(k, v, kc, vc, self.slots[gi])
+        (fused.kv_write_ref if cpu else fused.kv_write)(k, v, kc, vc, self.slots[gi])
         if not cpu and batch_invariant():
             from ..kernels.attention_prefill import paged_prefill_attention
 

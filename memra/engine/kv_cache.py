@@ -266,27 +266,12 @@ class PagedBatch:
         """attend() takes the head gate (the kernel path applies it in its epilogue)."""
         return self.use_kernels
 
-    @property
-    def fuses_kv_write(self) -> bool:
-        """The layer may write K/V itself (:meth:`kv_write_target`; kernel path only)."""
-        return self.use_kernels
-
-    def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache, slots int64 [T]) where this step's K/V rows of ``layer`` go (kernel
-        path), for a caller that writes them itself and then calls :meth:`attend` with
-        ``written=True``. Raises: ValueError without ``use_kernels``."""
-        if not self.use_kernels:
-            raise ValueError("PagedBatch.kv_write_target: only the kernel path (use_kernels) takes written K/V")
-        cache = self.cache
-        return cache.k[layer], cache.v[layer], self.per_group[cache.layer_group[layer]][0]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-               scale: float, gate: torch.Tensor | None = None, written: bool = False) -> torch.Tensor:
-        """Write this step's k, v [T, KV, D] to their slots (unless ``written``: the caller wrote
-        them to :meth:`kv_write_target`; kernel path), then attend q [T, H, D] -> [T, H, D].
+               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this step's k, v [T, KV, D] to their slots, then attend q [T, H, D] -> [T, H, D].
         ``gate`` [T, H] (kernel path only, ``fuses_gate``): the output times sigmoid(gate).
 
-        Raises: ValueError for a gate or ``written`` without ``use_kernels``."""
+        Raises: ValueError for a gate without ``use_kernels`` (the caller applies it there)."""
         cache = self.cache
         gi = cache.layer_group[layer]
         if self.use_kernels:
@@ -295,13 +280,12 @@ class PagedBatch:
 
             slots, table = self.per_group[gi]
             kc, vc = cache.k[layer], cache.v[layer]
-            if not written:
-                kv_write(k, v, kc, vc, slots)
+            kv_write(k, v, kc, vc, slots)
             cu, lens, max_q = self.varlen
             return paged_prefill_attention(q, kc, vc, table, cu, lens, window, scale, gate=gate, max_q_len=max_q)
-        if gate is not None or written:
-            raise ValueError("PagedBatch.attend: without use_kernels the head gate is not fused and K/V are "
-                             "written here (fuses_gate / fuses_kv_write are False)")
+        if gate is not None:
+            raise ValueError("PagedBatch.attend: without use_kernels the head gate is not fused (fuses_gate is "
+                             "False)")
         slots, decode, prefill = self.per_group[gi]
         kc = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
         vc = cache.v[layer].view(-1, *cache.v[layer].shape[2:])

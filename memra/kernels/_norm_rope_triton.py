@@ -26,11 +26,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, eps, s_x, s_r, s_y, s
 
 
 @triton.jit
-def _norm_rope_row(src, dst, w_ptr, cos_row, sin_row, eps, cache_dst,
-                   DH: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
-                   TO_CACHE: tl.constexpr = False):
-    # TO_CACHE: the result also goes to cache_dst, rounded to dst's dtype then the cache's (as
-    # the separate K/V write would store it)
+def _norm_rope_row(src, dst, w_ptr, cos_row, sin_row, eps,
+                   DH: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     ok = offs < DH
     HALF: tl.constexpr = ROT // 2
@@ -49,22 +46,15 @@ def _norm_rope_row(src, dst, w_ptr, cos_row, sin_row, eps, cache_dst,
     s = tl.load(sin_row + offs, mask=in_rot, other=0.0).to(tl.float32)
     xp = tl.where(offs < HALF, -xp, xp)
     y = tl.where(in_rot, x * c + xp * s, x)
-    yd = y.to(dst.dtype.element_ty)
-    tl.store(dst + offs, yd, mask=ok)
-    if TO_CACHE:
-        tl.store(cache_dst + offs, yd.to(cache_dst.dtype.element_ty), mask=ok)
+    tl.store(dst + offs, y.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, H, eps,
                          s_qt, s_qh, s_kt, s_kh, s_ct, s_st,
-                         v_ptr, kc_ptr, vc_ptr, slot_ptr, s_vt, s_vh,
                          KV: tl.constexpr, DH: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, WRITE_KV: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
-    # program (token t, head j): j < H a query head, else kv head j - H; WRITE_KV: k heads also
-    # go to the paged K cache at slot[t], and programs j >= H + KV copy v head j - H - KV to the
-    # V cache (caches [blocks, block_size, KV, DH] contiguous: slot * KV * DH + head * DH)
+                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PDL: tl.constexpr = False):
+    # program (token t, head j): j < H a query head, else kv head j - H
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -72,20 +62,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
     sin_row = sin_ptr + t * s_st
     if j < H:
         _norm_rope_row(q_ptr + t * s_qt + j * s_qh, qo_ptr + (t * H + j) * DH, qw_ptr, cos_row, sin_row, eps,
-                       qo_ptr, DH, ROT, BLOCK, HAS_QW)
-    elif j < H + KV:
-        jk = j - H
-        if WRITE_KV:
-            cache_row = kc_ptr + (tl.load(slot_ptr + t) * KV + jk) * DH
-        else:
-            cache_row = ko_ptr
-        _norm_rope_row(k_ptr + t * s_kt + jk * s_kh, ko_ptr + (t * KV + jk) * DH, kw_ptr, cos_row, sin_row, eps,
-                       cache_row, DH, ROT, BLOCK, HAS_KW, WRITE_KV)
+                       DH, ROT, BLOCK, HAS_QW)
     else:
-        if WRITE_KV:
-            jv = j - H - KV
-            offs = tl.arange(0, BLOCK)
-            ok = offs < DH
-            vv = tl.load(v_ptr + t * s_vt + jv * s_vh + offs, mask=ok, other=0.0)
-            dst = vc_ptr + (tl.load(slot_ptr + t) * KV + jv) * DH
-            tl.store(dst + offs, vv.to(vc_ptr.dtype.element_ty), mask=ok)
+        jk = j - H
+        _norm_rope_row(k_ptr + t * s_kt + jk * s_kh, ko_ptr + (t * KV + jk) * DH, kw_ptr, cos_row, sin_row, eps,
+                       DH, ROT, BLOCK, HAS_KW)

@@ -163,9 +163,7 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | 
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head q/k RMSNorm + partial NeoX RoPE (module docstring) in one Triton launch.
 
     Args:
@@ -174,15 +172,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         q_weight, k_weight: fp32 [Dh] effective norm multipliers, or None (no norm).
         eps: RMSNorm epsilon.
         cos, sin: [T, rotary_dim] tables (rotary_dim even, <= Dh).
-        kv_write: optional ``(v [T, KV, Dh], k_cache, v_cache, slots)``: the same launch also
-            writes the finished k rows and v to the paged caches ``[blocks, block_size, KV, Dh]``
-            (contiguous) at int64 ``slots`` [T], as :func:`memra.kernels.fused.kv_write` would
-            (values rounded to q's dtype, then to the cache's). Slots are not range-checked (no
-            host sync): callers pass slots inside the caches.
     Returns:
         New contiguous (q, k) in q's dtype.
-    Raises:
-        ValueError: shapes, dtypes or layouts that do not match (naming the argument).
     """
     T, H, KV, Dh, rot = _check_qk(q, k, q_weight, k_weight, cos, sin)
     if q.stride(2) != 1:
@@ -195,34 +186,16 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         sin = sin.contiguous()
     qo = torch.empty(T, H, Dh, dtype=q.dtype, device=q.device)
     ko = torch.empty(T, KV, Dh, dtype=q.dtype, device=q.device)
-    if kv_write is not None:
-        v, kc, vc, slots = kv_write
-        if v.shape != (T, KV, Dh) or kc.shape != vc.shape or kc.dim() != 4 or tuple(kc.shape[2:]) != (KV, Dh):
-            raise ValueError(f"qk_norm_rope: kv_write needs v [{T}, {KV}, {Dh}] and caches [blocks, block_size, "
-                             f"{KV}, {Dh}], got v {tuple(v.shape)}, caches {tuple(kc.shape)} / {tuple(vc.shape)}")
-        if slots.shape != (T,) or slots.dtype != torch.int64:
-            raise ValueError(f"qk_norm_rope: kv_write slots must be int64 [{T}], got {slots.dtype} "
-                             f"{tuple(slots.shape)}")
-        if not (kc.is_contiguous() and vc.is_contiguous()):
-            raise ValueError("qk_norm_rope: kv_write caches must be contiguous")
-        if any(t.device != q.device for t in (v, kc, vc, slots)):
-            raise ValueError(f"qk_norm_rope: kv_write tensors must be on {q.device}")
-        if v.stride(2) != 1:
-            v = v.contiguous()
-    else:
-        v, kc, vc, slots = q, qo, ko, cos  # placeholders, unused
     if T:
         from ._norm_rope_triton import _qk_norm_rope_kernel
 
         qw = q_weight.float().contiguous() if q_weight is not None else cos
         kw = k_weight.float().contiguous() if k_weight is not None else cos
         block = _next_pow2(Dh)
-        heads = H + KV + (KV if kv_write is not None else 0)
-        _qk_norm_rope_kernel[(T, heads)](
+        _qk_norm_rope_kernel[(T, H + KV)](
             q, k, qw, kw, cos, sin, qo, ko, H, float(eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            v, kc, vc, slots, v.stride(0), v.stride(1),
             KV=KV, DH=Dh, ROT=rot, BLOCK=block, HAS_QW=q_weight is not None, HAS_KW=k_weight is not None,
-            WRITE_KV=kv_write is not None, num_warps=1 if block <= 128 else 2, **pdl_args(q.device),
+            num_warps=1 if block <= 128 else 2, **pdl_args(q.device),
         )
     return qo, ko

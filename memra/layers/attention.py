@@ -17,10 +17,7 @@ values and attends over everything the queries may see. The engine picks the bac
 - :class:`SelfContainedKV`: a pass over a self-contained sequence (MTP drafting), no cache.
 
 A backend whose ``fuses_gate`` is True takes Step-3.5's head gate and applies it in its
-epilogue; otherwise :class:`Attention` applies it after the call. A backend whose
-``fuses_kv_write`` is True (the GPU kernel paths) names where a layer's K/V rows go
-(``kv_write_target(layer)``): the GPU layer then writes them from its q/k-norm + RoPE launch and
-calls ``attend(..., written=True)``, one launch fewer per layer.
+epilogue; otherwise :class:`Attention` applies it after the call.
 """
 
 from __future__ import annotations
@@ -117,9 +114,7 @@ class AttentionBackend(Protocol):
     ``attend(layer, q [T, H, D], k [T, KV, D], v [T, KV, D], window, scale, gate=None)`` writes
     this step's k, v for decoder (or MTP) layer slot ``layer`` and returns [T, H, D] in q's dtype,
     row t attending over the keys its position may see. ``gate`` [T, H] is passed only when
-    ``fuses_gate`` is True: the output is then multiplied by sigmoid(gate). Optional:
-    ``fuses_kv_write`` and ``kv_write_target(layer) -> (k_cache, v_cache, slots)`` with
-    ``attend(..., written=True)`` (module docstring).
+    ``fuses_gate`` is True: the output is then multiplied by sigmoid(gate).
     """
 
     fuses_gate: bool
@@ -172,14 +167,13 @@ class Attention(KernelLayer):
         H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
         self.sizes = [H * Dh, KV * Dh, KV * Dh] + ([H] if gated else [])
 
-    def norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv_write: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, Dh], k [T, KV, Dh] -> their q/k norms (if any) and RoPE, same shapes.
-        ``kv_write`` (kernel path): (v, k_cache, v_cache, slots), written in the same launch."""
+    def norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, Dh], k [T, KV, Dh] -> their q/k norms (if any) and RoPE, same shapes."""
         qn, kn = self.q_norm, self.k_norm
         if self.kernels:
             return qk_norm_rope(q, k, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                                1e-6 if qn is None else qn.eps, cos, sin, kv_write=kv_write)
+                                1e-6 if qn is None else qn.eps, cos, sin)
         if qn is None and q.is_cpu and q.shape[0] <= NATIVE_ROPE_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float32) \
                 and cpu_native.enabled():  # (torch on a GPU, e.g. tensor-parallel shards, takes rope_torch)
             H, D = q.shape[1], q.shape[2]
@@ -197,16 +191,12 @@ class Attention(KernelLayer):
         T, lc = h.shape[0], self.lc
         H, KV, Dh = lc.num_heads, lc.num_kv_heads, lc.head_dim
         q, k, v, *g = self.qkv(h).split(self.sizes, dim=-1)
+        q, k = self.norm_rope(q.view(T, H, Dh), k.view(T, KV, Dh), cos, sin)
         v = v.view(T, KV, Dh)
-        # GPU kernels: K/V go to the paged cache from the norm + RoPE launch (one launch fewer)
-        fused = self.kernels and getattr(kv, "fuses_kv_write", False)
-        tgt = (v, *kv.kv_write_target(self.index)) if fused else None
-        q, k = self.norm_rope(q.view(T, H, Dh), k.view(T, KV, Dh), cos, sin, kv_write=tgt)
-        extra = {"written": True} if fused else {}
         if g and getattr(kv, "fuses_gate", False):
-            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale, gate=g[0], **extra)
+            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale, gate=g[0])
         else:
-            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale, **extra)  # [T, H, Dh]
+            o = kv.attend(self.index, q, k, v, lc.sliding_window, self.scale)  # [T, H, Dh]
             if g:
                 o = o * torch.sigmoid(g[0])[..., None]
         return self.o(o.reshape(T, H * Dh))
