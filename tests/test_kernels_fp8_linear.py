@@ -107,14 +107,19 @@ def test_quantized_codes_are_the_twins():
 def test_rows_do_not_depend_on_each_other():
     """A token's row is the same bits whichever other tokens share the call (same tile shape),
     and a split-in-two K gives the same bits on every run (two partial sums into zeros; only the
-    GPU runs the two halves concurrently, the interpreter one after the other)."""
+    GPU runs the two halves concurrently, the interpreter one after the other). Under the
+    interpreter the rows agree to an ulp only: its tl.dot is numpy's BLAS matmul, whose result for
+    a row can depend on the row's place in the tile (seen on an AMD EPYC host, not on others)."""
     n, k = 192, 512
     w = _fp8_weight(n, k, seed=11)
     x = _x(24, k, seed=12)
     cfg = Fp8LinearConfig(64, 32, 2)
     full = fp8_act_linear(x, w, config=cfg)
     part = fp8_act_linear(x[5:17], w, config=cfg)
-    assert torch.equal(full[5:17], part)
+    if DEV == "cuda":
+        assert torch.equal(full[5:17], part)
+    else:
+        assert float((full[5:17].float() - part.float()).abs().max()) <= 4e-6 * float(part.float().abs().max())
     assert torch.equal(fp8_act_linear(x, w, config=cfg), full)
 
 
