@@ -4,6 +4,13 @@
 # /tmp/memra-model (sent by earlier calls: split -b 60M) and checks its sha256, then runs
 # `python -m pytest -m gpu` over every GPU test file, writing the log under $OUT.
 # Usage (on the device): bash benchmarks/h200-gpu-tests.sh [pytest args...]
+# .wheels/ (ignored; gone on a fresh workstation): what the device image lacks, fetched here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#     --platform manylinux2014_x86_64 -d .wheels gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0
+#     pydantic==2.14.4 pydantic-core==2.50.5 uvicorn==0.54.0 annotated-types==0.7.0
+#     typing-inspection==0.4.5 opentelemetry-api==1.45.3
+#   and llguidance==1.9.1 with --platform manylinux_2_31_x86_64 (about 6 MB in all).
+# The GGUF: split -b 33M of smollm2-135m's file into .model/part-a*, one part per call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
