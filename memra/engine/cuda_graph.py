@@ -67,7 +67,9 @@ class DecodeKV:
         if not cpu and batch_invariant():
             from ..kernels.attention_prefill import paged_prefill_attention
 
-            b = q.shape[0]
+            b = self.seq_lens.shape[0]
+            if q.shape[0] != b:
+                raise ValueError(f"DecodeKV.attend: q has {q.shape[0]} rows, the step {b} (seq_lens)")
             if self._cu is None:  # once per step (the layers share it)
                 self._cu = torch.arange(b + 1, dtype=torch.int32, device=q.device)
             return paged_prefill_attention(q, kc, vc, self.tables[gi], self._cu, self.seq_lens, window, scale,
