@@ -100,6 +100,15 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, window, gat
     return T, H, D, bs, KV, S
 
 
+def _resolve_aligned(aligned: bool | None) -> bool:
+    """``aligned`` as given, or (None) whether batch-invariant mode is on."""
+    if aligned is None:
+        from .batch_invariant import batch_invariant
+
+        return batch_invariant()
+    return bool(aligned)
+
+
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                 window: int | None, scale: float, gate: torch.Tensor | None = None,
@@ -127,10 +136,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{_NAME}: cu_seqlens_q must be non-decreasing within [0, {T}], got {cu}")
     G = H // KV
-    if aligned is None:
-        from .batch_invariant import batch_invariant
-
-        aligned = batch_invariant()
+    aligned = _resolve_aligned(aligned)
     res = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     for s in range(S):
         n, L = cu[s + 1] - cu[s], lens[s]
@@ -238,10 +244,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"{_NAME}: {name} {v} must be a power of two >= 16")
     if not _pow2(num_warps) or num_stages < 1:
         raise ValueError(f"{_NAME}: num_warps {num_warps} must be a power of two, num_stages {num_stages} >= 1")
-    if aligned is None:
-        from .batch_invariant import batch_invariant
-
-        aligned = batch_invariant()
+    aligned = _resolve_aligned(aligned)
     if q.stride(2) != 1:
         q = q.contiguous()
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
