@@ -17,7 +17,7 @@ if [ ! -x "$LB" ] && [ -f .gpumodel/llama-src.tgz ]; then
     && t0=$(date +%s) \
     && cmake -S /tmp/llama/llama.cpp -B /tmp/llama/build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
          -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
          -DLLAMA_BUILD_EXAMPLES=OFF > "$OUT/llama-cmake.log" 2>&1 \
     && cmake --build /tmp/llama/build --target llama-bench -j 12 > "$OUT/llama-build.log" 2>&1 \
     && echo "llama.cpp CUDA build: $(( $(date +%s) - t0 )) s" ) > "$OUT/llama-build-time.txt" 2>&1 &
