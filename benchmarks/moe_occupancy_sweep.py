@@ -10,7 +10,8 @@ was removed with the knob. Every configuration is checked against the torch refe
 (moe_census.moe_config_sweep).
 
 Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy|chunk] [T,...] [fmt]``
-(``chunk``: tokens per chunk 1/2/4 with and without the register prefetch.)
+(``chunk``: tokens per chunk 1/2/4 with and without the register prefetch, and with it only in the
+chunks that finish a slot.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def candidates(grid: str, base):
     elif grid == "chunk":  # token chunk size x register prefetch (T = 1's one-token, prefetching tile at T > 1)
         for nc in (1, 2, 4):
             for pf in (True, False):
-                add(replace(base, nc=nc, prefetch=pf))
+                add(replace(base, nc=nc, prefetch=pf, prefetch_tail=None))
+        for nc in (2, 4):  # no prefetch in full chunks, prefetch in the 1-2 token chunks that finish a slot
+            add(replace(base, nc=nc, prefetch=False, prefetch_tail=True))
     else:
         raise SystemExit(f"unknown grid {grid!r} (occupancy, chunk)")
     return cands
@@ -77,13 +80,13 @@ def main() -> None:
     bad = [r for r in rows if "us" in r and not r["correct"]]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert; {len(bad)} configurations "
           f"failed the reference check, {sum('error' in r for r in rows)} did not compile")
-    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch nc")
+    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch tail nc")
     for t in ts:
         best = sorted([r for r in rows_ok if r["t"] == t], key=lambda r: r["us"])
         for r in [x for x in best if x["default"]] + best[:5]:
             c = r["config"]
             print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
-                  f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s:5} {c['nc']}")
+                  f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s:5} {c.get('prefetch_tail')!s:5} {c['nc']}")
     json.dump(dict(fmt=fmt, grid=grid, device=torch.cuda.get_device_name(), copy_tbs=bw / 1e12,
                    per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
 

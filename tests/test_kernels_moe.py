@@ -184,9 +184,11 @@ def _tol(fmt: str, cfg) -> float:
     return 2e-3 if fmt in ("nvfp4", "fp8") and cfg.f16 else 1e-5
 
 
-@pytest.mark.parametrize("fmt,prefetch", [("nvfp4", True), ("q8_0", False), ("fp8", True), ("fp8", False)])
-def test_many_tokens_one_expert(fmt, prefetch):
-    """Seven tokens on expert 0: chunks of 4, 2 and 1 tokens; ``out=``; no-prefetch path."""
+@pytest.mark.parametrize("fmt,prefetch,tail", [("nvfp4", True, None), ("q8_0", False, None), ("fp8", True, None),
+                                               ("fp8", False, None), ("nvfp4", False, True), ("nvfp4", True, False)])
+def test_many_tokens_one_expert(fmt, prefetch, tail):
+    """Seven tokens on expert 0: chunks of 4, 2 and 1 tokens; ``out=``; no-prefetch path, and the
+    prefetch in the finishing 2- and 1-token chunks only (``prefetch_tail``) or everywhere but there."""
     i = _i(fmt)
     gu, down, _ = _banks(fmt, i, seed=4)
     g = torch.Generator().manual_seed(5)
@@ -195,7 +197,7 @@ def test_many_tokens_one_expert(fmt, prefetch):
     weight = torch.rand(t, 2, generator=g) + 0.1
     x = torch.randn(t, D, generator=g)
     out = torch.empty(t, D)
-    cfg = _big_tiles(fmt, t, i, prefetch=prefetch, nc=4)
+    cfg = _big_tiles(fmt, t, i, prefetch=prefetch, nc=4, prefetch_tail=tail)
     y = moe_decode(x, index, weight, gu, down, 1.0, out=out, config=cfg)
     assert y is out
     assert _rel(y, moe_decode_ref(x, index, weight, gu, down, 1.0)) <= _tol(fmt, cfg)

@@ -57,7 +57,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
                         topk, I, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, limit,
                         FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                         NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False):
+                        PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, PREFETCH_TAIL: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
     j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
     W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
@@ -88,12 +89,12 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
     if NC >= 4:
         if cnt - r0 >= 2:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT)
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
                      topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
                      EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                     ATOMIC: tl.constexpr = True, PDL: tl.constexpr = False):
+                     ATOMIC: tl.constexpr = True, PREFETCH_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
     every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host).
     ATOMIC=False (one K split): y[p_c, n] = the same term, per-pair rows [T * k, N]."""
@@ -159,12 +160,12 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
     if NC >= 4:
         if cnt - r0 >= 2:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC)
 
 
 @triton.jit

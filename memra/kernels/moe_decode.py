@@ -459,6 +459,8 @@ class MoeDecodeConfig:
     loaded before the current one is used (registers; Triton's pipelining of the weight loads
     through shared memory instead, cp.async, measured 1.4-1.6x slower at the flagship shape, T = 1
     and 2, H100: benchmarks/results/issue14/moe-stages-sweep-h100.json, and was removed);
+    ``prefetch_tail``: the same for the chunks of fewer than ``nc`` tokens that finish a slot
+    (None: ``prefetch``);
     ``num_warps`` for both kernels; ``group``: how the
     pairs are grouped by expert (:func:`moe_group`: "triton", one launch, the default: checked on
     the H200 in a CUDA graph and 40 µs faster per call at T = 1 than "torch", ~20 small kernels);
@@ -477,6 +479,7 @@ class MoeDecodeConfig:
     split_k: int = 1
     f16: bool = True
     prefetch: bool = True
+    prefetch_tail: bool | None = None
     num_warps: int = 4
     group: str = "triton"
     combine: str = "sum"
@@ -602,6 +605,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         return sc, sw_e, sw_n, sc.stride(0), sc.stride(1)
 
     has_limit = limit is not None
+    pf_tail = cfg.prefetch if cfg.prefetch_tail is None else bool(cfg.prefetch_tail)
     lim = float(limit) if has_limit else 0.0
 
     for b, kk in ((gate_up, d), (down, i)):
@@ -616,7 +620,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
-        HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **pdl_args(x.device))
+        PREFETCH_TAIL=pf_tail, HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **pdl_args(x.device))
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
@@ -629,7 +633,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         act, down.data, sc, y32, perm, wflat, slot_e, slot_start, slot_cnt,
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
-        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, ATOMIC=atomic,
+        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, PREFETCH_TAIL=pf_tail, ATOMIC=atomic,
         num_warps=cfg.num_warps, **pdl_args(x.device))
     if not atomic:
         from ._moe_prefill_triton import _moe_combine_kernel
