@@ -234,6 +234,22 @@ def test_defaults_parse():
     pf.check_args(a)
 
 
+def test_batch_invariant_flag_sets_the_mode_and_none_leaves_the_environment_s():
+    from memra.bench.common import apply_batch_invariant
+    from memra.kernels.batch_invariant import batch_invariant, set_batch_invariant
+
+    try:
+        assert apply_batch_invariant(_args("--batch-invariant", "on")) is True and batch_invariant()
+        assert apply_batch_invariant(_args("--batch-invariant", "off")) is False and not batch_invariant()
+        set_batch_invariant(None)
+        assert _args().batch_invariant is None
+        assert apply_batch_invariant(_args()) == batch_invariant()
+        with pytest.raises(SystemExit):
+            _args("--batch-invariant", "yes")
+    finally:
+        set_batch_invariant(None)
+
+
 @pytest.mark.parametrize("argv, msg", [(("--chunk", "0"), "--chunk"), (("--chunk", "-5"), "--chunk"),
                                        (("--prefix", "-1"), "--prefix"), (("--reps", "0"), "--reps"),
                                        (("--layers", "0"), "--layers"), (("--ttft-prompt", "0"), "--ttft-prompt")])

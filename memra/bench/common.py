@@ -180,6 +180,24 @@ def matmul_ceilings(m: int = 8192, reps: int = 10, inner: int = 5) -> dict:
 # provenance and output
 
 
+def add_batch_invariant_arg(p) -> None:
+    """``--batch-invariant on|off`` on a bench's parser (None: the environment's
+    ``MEMRA_BATCH_INVARIANT``; memra/kernels/batch_invariant.py)."""
+    p.add_argument("--batch-invariant", choices=["on", "off"], default=None,
+                   help="batch-invariant mode (memra/kernels/batch_invariant.py): every kernel choice independent "
+                        "of the step's shape (default: MEMRA_BATCH_INVARIANT)")
+
+
+def apply_batch_invariant(a) -> bool:
+    """Set the mode from ``a.batch_invariant`` (before any model or CUDA graph is built) and return
+    whether it is on."""
+    from ..kernels.batch_invariant import batch_invariant, set_batch_invariant
+
+    if getattr(a, "batch_invariant", None) is not None:
+        set_batch_invariant(a.batch_invariant == "on")
+    return batch_invariant()
+
+
 def commit() -> str:
     """The git commit the benches record: HEAD of the checkout, ``+dirty`` when anything under
     memra/ differs from it, ``unknown`` without git; the environment variable

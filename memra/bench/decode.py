@@ -38,7 +38,15 @@ import statistics
 import sys
 import time
 
-from .common import commit, copy_bandwidth, median_ms, phase_fns, write_json
+from .common import (
+    add_batch_invariant_arg,
+    apply_batch_invariant,
+    commit,
+    copy_bandwidth,
+    median_ms,
+    phase_fns,
+    write_json,
+)
 
 __all__ = ["run_decode_bench", "add_decode_args", "run_from_args"]
 
@@ -116,6 +124,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
         MoE.overlap_shared = a.shared_overlap == "on"
     if getattr(a, "pdl", None) is not None:
         set_pdl(a.pdl == "on")
+    apply_batch_invariant(a)
     batches = [int(b) for b in a.batches.split(",")]
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -415,6 +424,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pdl", choices=["on", "off"], default=None,
                    help="programmatic dependent launch of memra's Triton kernels (memra/kernels/pdl.py; default: "
                         "on where the GPU supports it, unless MEMRA_PDL=0)")
+    add_batch_invariant_arg(p)
     p.add_argument("--mtp", type=int, default=0, help="MTP layers to keep and speculate with (0: none)")
     p.add_argument("--accepted", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.4, 4.0],
                    help="forced accepted lengths (tokens per sequence per step, bonus included)")

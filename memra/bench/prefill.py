@@ -84,6 +84,8 @@ from collections.abc import Sequence
 
 from .common import (
     FORMATS,
+    add_batch_invariant_arg,
+    apply_batch_invariant,
     commit,
     copy_bandwidth,
     cuda_graph_us,
@@ -311,6 +313,7 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights, token ids, KV contents")
     p.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the engine TTFT measurement")
     p.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT measurement")
+    add_batch_invariant_arg(p)
     p.add_argument("--json-out", default=None, help="write the result JSON here")
 
 
@@ -449,6 +452,7 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
     check_args(a)
     if not torch.cuda.is_available():
         raise SystemExit("memra bench prefill needs a CUDA GPU (it builds the model in GPU memory); none is visible")
+    invariant = apply_batch_invariant(a)
     from ..io.synthetic import build_gpu_model, load_geometry, model_config
     from ..roofline import step35_bytes
 
@@ -530,6 +534,7 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
 
     return {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
+        "batch_invariant": invariant,
         "geometry": a.geometry, "layers": config.num_layers, "layers_full": layers_full, "cut": cut,
         "expert_format": a.expert_format, "chunk": T, "prefix": prefix, "seed": a.seed, "reps": a.reps,
         "build_seconds": build_s, "gpu_memory_bytes": total_mem, "peak_allocated_bytes": peak,
