@@ -41,9 +41,9 @@ def test_every_pdl_kernel_waits_before_anything_else():
     assert src.index("gdc_wait()") < src.index("gdc_launch_dependents()")  # wait, then trigger
 
     launched = set()  # (module the kernel is imported from, kernel); two modules hold same-named kernels
-    for path in sorted(KERNELS.glob("*.py")):
+    for path in sorted(KERNELS.parent.rglob("*.py")):  # launch sites anywhere in memra, not only kernels/
         tree = ast.parse(path.read_text())
-        source = {a.asname or a.name: (n.module or "").lstrip(".") for n in ast.walk(tree)
+        source = {a.asname or a.name: (n.module or "").rsplit(".", 1)[-1] for n in ast.walk(tree)
                   if isinstance(n, ast.ImportFrom) for a in n.names}
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_args"
