@@ -234,16 +234,20 @@ def test_defaults_parse():
     pf.check_args(a)
 
 
-def test_batch_invariant_flag_sets_the_mode_and_none_leaves_the_environment_s():
+def test_batch_invariant_flag_sets_the_mode_and_none_leaves_the_environment(monkeypatch):
     from memra.bench.common import apply_batch_invariant
     from memra.kernels.batch_invariant import batch_invariant, set_batch_invariant
 
     try:
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "0")
         assert apply_batch_invariant(_args("--batch-invariant", "on")) is True and batch_invariant()
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
         assert apply_batch_invariant(_args("--batch-invariant", "off")) is False and not batch_invariant()
         set_batch_invariant(None)
         assert _args().batch_invariant is None
-        assert apply_batch_invariant(_args()) == batch_invariant()
+        assert apply_batch_invariant(_args()) is True  # no flag: the environment's 1
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "0")
+        assert apply_batch_invariant(_args()) is False
         with pytest.raises(SystemExit):
             _args("--batch-invariant", "yes")
     finally:
