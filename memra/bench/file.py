@@ -249,7 +249,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     print(f"{'memra':<10} {mrow['ready_s']:>8.1f} {mrow['weights_s']:>10.1f} {gbps:>6.2f} "
           f"{100 * gbps / c['read_gbps']:>6.0f}% {mrow['ttft1_ms']:>9.1f} {mrow['ttft2_ms']:>9.1f} "
           f"{mrow['prefill_tok_s']:>14.0f} {mrow['decode_tok_s']:>13.1f} "
-          f"{mrow['decode_roofline_pct'] or float('nan'):>10.1f}%")
+          f"{_pct(mrow['decode_roofline_pct'])}")
     lc = res.get("llama.cpp")
     if lc and "decode_tok_s" in lc:
         lrow = {"ready_s": lc["load_wall_s"], "prefill_tok_s": lc.get("prefill_tok_s"),
@@ -258,7 +258,7 @@ def run_from_args(a: argparse.Namespace) -> int:
         res["table"]["llama.cpp"] = lrow
         print(f"{'llama.cpp':<10} {lrow['ready_s']:>8.1f} {'':>10} {'':>6} {'':>7} {'':>9} {'':>9} "
               f"{lrow['prefill_tok_s'] or float('nan'):>14.0f} {lrow['decode_tok_s']:>13.1f} "
-              f"{lrow['decode_roofline_pct'] or float('nan'):>10.1f}%")
+              f"{_pct(lrow['decode_roofline_pct'])}")
         ratios = {"decode": mrow["decode_tok_s"] / lrow["decode_tok_s"],
                   "prefill": mrow["prefill_tok_s"] / (lrow["prefill_tok_s"] or float("nan")),
                   "load": mrow["ready_s"] / lrow["ready_s"]}
@@ -283,6 +283,12 @@ def run_from_args(a: argparse.Namespace) -> int:
     return 0
 
 
+def _pct(x: float | None) -> str:
+    """An 11-character table cell: ``x`` as a percentage, or ``n/a`` where there is no ceiling
+    (``--device cpu`` measures no copy bandwidth)."""
+    return f"{x:>10.1f}%" if x is not None else f"{'n/a':>11}"
+
+
 def add_file_args(p: argparse.ArgumentParser) -> None:
     """The arguments of ``memra bench file`` (the file, prompt / decode lengths, repetitions, the
     llama-bench executable, the Triton cache, the device, the JSON output) on ``p``."""
@@ -292,7 +298,8 @@ def add_file_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=2, help="repetitions of the decode run (best) and of llama-bench")
     p.add_argument("--llama-bench", default=None, metavar="EXE", help="llama.cpp's llama-bench built for CUDA")
     p.add_argument("--warm-triton-cache", action="store_true",
-                   help="let memra's process use the existing Triton cache (default: a fresh one: cold start)")
+                   help="let memra's process use the existing Triton cache (a warm start) rather than a fresh one "
+                        "(a cold start)")
     p.add_argument("--device", default="cuda", help="memra's device (cpu: a smoke test of the bench itself)")
     p.add_argument("--json-out", default=None, help="write the result JSON here")
 
