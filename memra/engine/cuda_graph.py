@@ -16,6 +16,7 @@ Same idea as vLLM's / SGLang's CUDA-graph runners (ideas only).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -129,6 +130,7 @@ class CudaGraphRunner:
         self.prenorm: dict[int, torch.Tensor] = {}  # the step's pre-final-norm hidden rows (MTP drafting)
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        self.precompile = None  # the memra.kernels.precompile report of capture()
 
     def _kv(self, b: int) -> DecodeKV:
         return DecodeKV(self.cache, [t[:b] for t in self.tables], self.seq_lens[:b], [s[:b] for s in self.slots])
@@ -142,6 +144,11 @@ class CudaGraphRunner:
         """Warm up (compiles the Triton kernels) and capture every bucket, largest first, in
         one shared memory pool. Inputs are padding rows (context 0) while capturing."""
         t0 = time.perf_counter()
+        from ..kernels.precompile import precompile
+
+        # every bucket's kernels compiled in parallel first (the warm-up below then finds them)
+        self.precompile = precompile([functools.partial(self._forward, b) for b in reversed(self.buckets)],
+                                     self.device)
         before = torch.cuda.memory_reserved(self.device)
         pool = None
         for b in reversed(self.buckets):

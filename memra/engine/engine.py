@@ -302,6 +302,7 @@ class LLMEngine:
             _check_same_vocab(tokenizer, draft_tok, cfg.speculative_model)
         memory = cfg.kv_cache_memory
         self.memory_report = ""
+        self.precompile_reports = []  # memra.kernels.precompile: Triton kernels compiled in parallel at start
         if cfg.kv_cache_blocks is None and memory is None:
             memory = DEFAULT_KV_CACHE_MEMORY if device.type == "cpu" else self._gpu_kv_budget(groups, device)
         if memory is not None and cfg.speculative_method in ("draft", "mtp"):
@@ -340,6 +341,14 @@ class LLMEngine:
                                    f"{graphs.buckets[-1]}) in {graphs.capture_seconds:.1f} s, "
                                    f"{graphs.pool_bytes / 2**20:.0f} MiB")
         self.graphs = graphs
+        if graphs is not None:
+            self.precompile_reports.append(graphs.precompile)
+        done = [r for r in self.precompile_reports if r is not None and r.skipped is None]
+        if done:
+            self.memory_report += (f"; Triton kernels compiled in parallel at start: {sum(r.kernels for r in done)} in "
+                                   f"{sum(r.compile_s for r in done):.1f} s on {max(r.workers for r in done)} threads"
+                                   + (f" ({sum(r.failed for r in done)} left to their first launch)"
+                                      if any(r.failed for r in done) else ""))
         self.runner = ModelRunner(model, self.cache, graphs)
         self.proposer = None
         if cfg.speculative_method is not None:
@@ -387,16 +396,25 @@ class LLMEngine:
         cfg = self.engine_config
         t = min(cfg.max_num_batched_tokens, self.max_model_len)
         scratch_blocks = -(-t // cfg.block_size) + 1
+
+        def profile_step():
+            cache = PagedKVCache(groups, [scratch_blocks] * len(groups), cfg.block_size, self.model.dtype,
+                                 device=device)
+            kv = PagedBatch(cache, [SeqChunk(0, t, [list(range(scratch_blocks - 1))] * len(groups))])
+            with torch.inference_mode():
+                hidden = self.model(torch.zeros(t, dtype=torch.int64, device=device),
+                                    torch.arange(t, device=device), kv)
+                self.model.logits(hidden[-1:])
+            return cache, kv, hidden
+
+        from ..kernels.precompile import precompile
+
+        self.precompile_reports.append(precompile([profile_step], device))  # its kernels, compiled in parallel
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        cache = PagedKVCache(groups, [scratch_blocks] * len(groups), cfg.block_size, self.model.dtype, device=device)
-        kv = PagedBatch(cache, [SeqChunk(0, t, [list(range(scratch_blocks - 1))] * len(groups))])
-        with torch.inference_mode():
-            hidden = self.model(torch.zeros(t, dtype=torch.int64, device=device),
-                                torch.arange(t, device=device), kv)
-            self.model.logits(hidden[-1:])
+        cache, kv, hidden = profile_step()
         torch.cuda.synchronize(device)
         activations = torch.cuda.max_memory_allocated(device) - base
         del cache, kv, hidden

@@ -109,6 +109,10 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling
     weight = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     if t == 0:
         return index, weight
+    from .precompile import recording
+
+    if recording():  # the launch below is skipped: torch paths downstream index with these ids
+        index.zero_()
     block = _np2(e)
     # one warp up to 1024 experts: the k passes' max / argmin / sum reductions stay in warp shuffles
     _router_topk_kernel[(t,)](logits, logits if bias is None else bias, index, weight, e, float(scaling),
