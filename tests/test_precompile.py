@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memra.kernels.precompile import PrecompileReport, precompile, precompile_enabled
+from memra.kernels.precompile import (
+    PrecompileReport,
+    compile_specialization,
+    default_workers,
+    precompile,
+    precompile_enabled,
+    start_workers,
+    stop_workers,
+)
 
 try:
     import triton
@@ -40,6 +48,69 @@ if triton is not None:
         tl.store(y_ptr + i, v * a + 1.0, mask=m)
 
 
+def _spec(square: bool, block: int = 128) -> tuple[object, str, dict]:
+    """A specialization of ``_axpb_kernel`` for an sm_90 target in the jit hook's JSON, as the
+    record pass sees it on an H100 / H200 (16-aligned pointers), its source and options."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4})
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "a": "fp32", "BLOCK": "constexpr",
+                 "SQUARE": "constexpr"}
+    constants = {(4,): block, (5,): square}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    spec = serialize_specialization_data("_axpb_kernel", signature, constants, attrs, options, "test")
+    src = ASTSource(_axpb_kernel, signature, constants, attrs)  # raw values, as the jit binder passes them
+    return target, spec, dict(src=src, options=options.__dict__)
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton")
+def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tmp_path, monkeypatch):
+    """No GPU needed: a spawned worker compiles a recorded specialization for sm_90 (code
+    generation, LLVM, ptxas on the CPU); this process then compiling the same source and options
+    is a disk-cache hit (the cache keys agree), while another specialization is not."""
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    stop_workers()
+    try:
+        assert start_workers(1) == 1 and start_workers(5) == 1  # started once
+        from memra.kernels import precompile as mod
+
+        target, spec, here = _spec(True)
+        where = f"{_axpb_kernel.fn.__module__}:{_axpb_kernel.fn.__qualname__}"
+        seconds = mod._POOL[0].submit(compile_specialization, where, spec, (target.backend, target.arch,
+                                                                          target.warp_size)).result(timeout=600)
+        assert seconds > 0
+        with pytest.raises(LookupError, match="no Triton JIT function"):
+            mod._POOL[0].submit(compile_specialization, f"{_axpb_kernel.fn.__module__}:_no_such_kernel", spec,
+                                ("cuda", 90, 32)).result(timeout=600)
+    finally:
+        stop_workers()
+    hits = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    kernel = triton.compile(here["src"], target=target, options=here["options"])
+    assert hits == [True] and kernel.metadata.target.arch == 90
+    _, _, other = _spec(False)
+    triton.compile(other["src"], target=target, options=other["options"])
+    assert hits == [True, False]
+
+
+def test_worker_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MEMRA_PRECOMPILE_WORKERS", "3")
+    assert default_workers() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("MEMRA_PRECOMPILE_WORKERS", bad)
+        with pytest.raises(ValueError, match="MEMRA_PRECOMPILE_WORKERS"):
+            default_workers()
+    monkeypatch.delenv("MEMRA_PRECOMPILE_WORKERS")
+    assert 1 <= default_workers() <= 16
+
+
 def _launch(x, y, square: bool, block: int = 128):
     n = x.numel()
     _axpb_kernel[(triton.cdiv(n, block),)](x, y, n, 3.0, BLOCK=block, SQUARE=square)
@@ -57,6 +128,7 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
     y = torch.full_like(x, float("nan"))
     kernel_cache = _axpb_kernel.device_caches[torch.cuda.current_device()][0]
     kernel_cache.clear()
+    stop_workers()  # a pool of 3 workers for this test
     # three specializations (two constexpr values of SQUARE, two BLOCKs), one launched twice
     rep = precompile([lambda: _launch(x, y, False), lambda: _launch(x, y, True), lambda: _launch(x, y, True),
                       lambda: _launch(x, y, True, block=256)], dev, workers=3)

@@ -262,6 +262,9 @@ class LLMEngine:
         except BaseException:  # a parallel run's workers and process group must not outlive a failed start
             if self.parallel is not None:
                 self.parallel.close()
+            from ..kernels.precompile import stop_workers
+
+            stop_workers()  # nor the start-up compile processes
             raise
 
     def _init(self, config: EngineConfig | None, progress: bool, model, tokenizer: Tokenizer | None) -> None:
@@ -273,6 +276,10 @@ class LLMEngine:
         device = torch.device(cfg.device)
         # a parallel run shards the CPU-loaded model, then moves each shard to its rank's device
         load_device = torch.device("cpu") if cfg.parallel else device
+        from ..kernels.precompile import precompile_enabled, start_workers
+
+        if not cfg.parallel and precompile_enabled(device):  # compile workers import Triton while weights load
+            start_workers()
         if model is None:
             model, self.checkpoint, tokenizer = _load(cfg.model, dtype, load_device, progress)
             self.model_name = str(cfg.model)
@@ -346,9 +353,13 @@ class LLMEngine:
         done = [r for r in self.precompile_reports if r is not None and r.skipped is None]
         if done:
             self.memory_report += (f"; Triton kernels compiled in parallel at start: {sum(r.kernels for r in done)} in "
-                                   f"{sum(r.compile_s for r in done):.1f} s on {max(r.workers for r in done)} threads"
-                                   + (f" ({sum(r.failed for r in done)} left to their first launch)"
+                                   f"{sum(r.compile_s + r.load_s for r in done):.1f} s on "
+                                   f"{max(r.workers for r in done)} processes"
+                                   + (f" ({sum(r.failed for r in done)} compiled here instead)"
                                       if any(r.failed for r in done) else ""))
+        from ..kernels.precompile import stop_workers
+
+        stop_workers()
         self.runner = ModelRunner(model, self.cache, graphs)
         self.proposer = None
         if cfg.speculative_method is not None:
@@ -407,9 +418,10 @@ class LLMEngine:
                 self.model.logits(hidden[-1:])
             return cache, kv, hidden
 
-        from ..kernels.precompile import precompile
+        if self.parallel is None:  # (a TP / EP rank 0 must not feed the workers' collectives garbage)
+            from ..kernels.precompile import precompile
 
-        self.precompile_reports.append(precompile([profile_step], device))  # its kernels, compiled in parallel
+            self.precompile_reports.append(precompile([profile_step], device))  # its kernels, compiled in parallel
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)

@@ -1,9 +1,9 @@
 """Compile the Triton kernels a piece of GPU work will launch, in parallel, before it runs.
 
 A cold engine start (empty Triton cache) used to compile every kernel specialization one after
-another on first launch, in the KV-budget profile run and in the CUDA-graph warm-up: about
-30 s of a 36 s start on the H200 (``memra bench file``, NOTES.md). :func:`precompile` does the
-same work in two passes:
+another on first launch, in the KV-budget profile run and in the CUDA-graph warm-up: about 37 s
+of a 46 s start on the H100 for the 12-layer step35 file (46 specializations of 14 kernels,
+``memra bench file``, NOTES.md). :func:`precompile` does the same work in three passes:
 
 1. record: the calls run with Triton's ``knobs.runtime.jit_cache_hook`` set to a hook that
    records each launch's specialization (``specialization_data``, the JSON that
@@ -16,14 +16,21 @@ same work in two passes:
    Torch ops still run on the garbage; the one integer tensor a kernel writes and torch then
    indexes with, the router's top-k experts (:func:`memra.kernels.fused.router_topk`, read by
    the torch paths of ``moe_align`` and ``moe_group``), is zeroed while :func:`recording`;
-2. compile: every distinct specialization is handed to ``JITFunction.preload`` under
-   ``triton.AsyncCompileMode`` with a thread pool. Triton's code generation holds the GIL, its
-   MLIR/LLVM passes and ptxas do not, so several kernels compile at once; each result lands in
-   the kernel's in-memory cache (and Triton's disk cache), where the real run finds it.
+2. compile: every distinct specialization is compiled for the GPU's target in a pool of worker
+   processes (spawned, so they never touch the parent's CUDA context; a worker needs no GPU:
+   code generation, LLVM and ptxas run on the CPU). Each worker writes the kernel and its
+   launcher stub to Triton's disk cache. Processes, not threads: Triton's code generation holds
+   the GIL, so threads gained 1.45x on 2 cores where processes scale with the cores;
+3. load: ``JITFunction.preload`` in this process finds each kernel in the disk cache (the cache
+   key is the same: same source, options and cache-invalidating environment) and fills the
+   kernel's in-memory cache, where the real run finds it.
 
-A specialization the record pass did not see, or one that failed to compile here, compiles on
-its first launch as before, so the mechanism changes start-up time, never results. On the CPU,
-under the interpreter (``TRITON_INTERPRET=1``) or with ``MEMRA_PRECOMPILE=0`` it does nothing.
+:func:`start_workers` starts the pool early (the engine calls it before it loads the weights),
+so the workers' imports overlap the load. A specialization the record pass did not see, or one a
+worker failed to compile, compiles in this process in the load pass (as on first launch before),
+so the mechanism changes start-up time, never results. On the CPU, under the interpreter
+(``TRITON_INTERPRET=1``) or with ``MEMRA_PRECOMPILE=0`` it does nothing.
+``MEMRA_PRECOMPILE_WORKERS`` sets the pool size (default: the CPUs this process may use, at most 16).
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["PrecompileReport", "precompile", "precompile_enabled", "recording"]
+__all__ = ["PrecompileReport", "precompile", "precompile_enabled", "recording", "start_workers", "stop_workers"]
 
 _RECORDING = [False]
+_POOL: list = [None, 0]  # the worker pool and its size
 
 
 def recording() -> bool:
@@ -48,13 +56,15 @@ def recording() -> bool:
 @dataclass
 class PrecompileReport:
     """What :func:`precompile` did: ``kernels`` distinct specializations compiled (``failed`` of
-    them raised, left to their first launch), ``record_s`` / ``compile_s`` wall seconds of the two
-    passes, ``workers`` threads. ``skipped``: why nothing was done (None when it ran)."""
+    them failed in a worker and compiled in this process instead), ``record_s`` / ``compile_s`` /
+    ``load_s`` wall seconds of the three passes, ``workers`` processes. ``skipped``: why nothing
+    was done (None when it ran)."""
 
     kernels: int = 0
     failed: int = 0
     record_s: float = 0.0
     compile_s: float = 0.0
+    load_s: float = 0.0
     workers: int = 0
     skipped: str | None = None
 
@@ -68,14 +78,75 @@ def precompile_enabled(device) -> bool:
     return os.environ.get("MEMRA_PRECOMPILE", "1") != "0"
 
 
+def default_workers() -> int:
+    """``MEMRA_PRECOMPILE_WORKERS``, else the CPUs this process may run on, at most 16.
+
+    Raises: ValueError: the variable is not an integer >= 1."""
+    env = os.environ.get("MEMRA_PRECOMPILE_WORKERS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"MEMRA_PRECOMPILE_WORKERS must be an integer >= 1, got {env!r}")
+        return int(env)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(16, n))
+
+
+def _worker_init() -> None:
+    # what the compiles will need (Triton, torch, memra's kernel modules), imported once per
+    # worker while the parent does other work; a module that fails to import here is retried
+    # (and its error reported) by the compile that needs it
+    import importlib
+    import pkgutil
+
+    import torch  # noqa: F401
+    import triton.compiler.compiler  # noqa: F401
+
+    from memra import kernels
+
+    for m in pkgutil.iter_modules(kernels.__path__, "memra.kernels."):
+        try:
+            importlib.import_module(m.name)
+        except Exception:  # noqa: BLE001, S112
+            continue
+
+
+def _warm() -> int:
+    return os.getpid()
+
+
+def start_workers(workers: int | None = None) -> int:
+    """Start (once) the pool of ``workers`` compile processes (default :func:`default_workers`)
+    and let them import Triton in the background. Returns the pool size. Cheap to call again."""
+    if _POOL[0] is None:
+        import multiprocessing
+
+        n = workers or default_workers()
+        pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_worker_init)
+        for _ in range(n):  # each submit finding no idle worker spawns one
+            pool.submit(_warm)
+        _POOL[0], _POOL[1] = pool, n
+    return _POOL[1]
+
+
+def stop_workers() -> None:
+    """Shut the compile pool down (the engine calls it once its start-up is done)."""
+    pool, _POOL[0], _POOL[1] = _POOL[0], None, 0
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def precompile(calls: Iterable[Callable[[], object]], device, workers: int | None = None) -> PrecompileReport:
     """Record the not-yet-compiled Triton launches of ``calls`` (run in order, results dropped,
-    kernels skipped) and compile them on ``workers`` threads (default: the CPU count, at most 32).
+    kernels skipped), compile them in worker processes and load them here.
 
     Args:
         calls: zero-argument callables doing GPU work whose results nothing reads.
         device: the CUDA device the calls run on (nothing is done for another device type).
-        workers: compile threads (>= 1).
+        workers: compile processes (>= 1) if no pool is running (default :func:`default_workers`).
 
     Returns: a :class:`PrecompileReport`.
 
@@ -90,17 +161,16 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     import triton
     from triton import knobs
 
-    if not hasattr(triton, "AsyncCompileMode") or not hasattr(knobs.runtime, "jit_cache_hook"):
-        return PrecompileReport(skipped=f"Triton {triton.__version__} has no AsyncCompileMode / jit_cache_hook")
-    seen: dict[tuple[int, str], tuple[object, str]] = {}
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        return PrecompileReport(skipped=f"Triton {triton.__version__} has no jit_cache_hook")
+    seen: dict[tuple[int, str], tuple[object, str, str]] = {}
     held = _take_compiled()  # (jit function, its kernel cache, the kernels taken out)
-
     compiled = {(id(jf), key) for jf, _, kernels in held for key in kernels}
 
     def record(*, key, fn, compile, **_):  # noqa: A002 - Triton's keyword
         k = (id(fn.jit_function), str(key))
         if k not in compiled:
-            seen.setdefault(k, (fn.jit_function, compile["specialization_data"]))
+            seen.setdefault(k, (fn.jit_function, f"{fn.module}:{fn.name}", compile["specialization_data"]))
         return True  # skip: neither compile nor launch
 
     t0 = time.perf_counter()
@@ -116,16 +186,87 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         for _, cache, kernels in held:
             cache.update(kernels)
     t1 = time.perf_counter()
-    n = workers or min(32, os.cpu_count() or 1)
+    if not seen:
+        return PrecompileReport(record_s=t1 - t0, workers=_POOL[1])
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
     failed = 0
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="memra-precompile") as pool:
-        mode = triton.AsyncCompileMode(pool, ignore_errors=True)
-        with mode:
-            for jit_function, spec in seen.values():
-                jit_function.preload(spec)
-        failed = sum(1 for f in mode.raw_futures if f.exception() is not None)
-    return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=time.perf_counter() - t1,
-                            workers=n)
+    try:
+        n = start_workers(workers)
+        futures = [_POOL[0].submit(compile_specialization, where, spec, (target.backend, target.arch, target.warp_size))
+                   for _, where, spec in seen.values()]
+    except Exception:  # noqa: BLE001 - no pool (a broken one, no processes allowed): all compiled below, here
+        n, futures, failed = 0, [], len(seen)
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - compiled below, in this process, as on a first launch
+            failed += 1
+    t2 = time.perf_counter()
+    for jit_function, _, spec in seen.values():
+        jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+    return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=t2 - t1,
+                            load_s=time.perf_counter() - t2, workers=n)
+
+
+def compile_specialization(where: str, spec: str, target: tuple) -> float:
+    """Compile one recorded specialization into Triton's disk cache, without a GPU (a worker's job).
+
+    Args:
+        where: ``"module:qualname"`` of the ``@triton.jit`` function.
+        spec: its ``specialization_data`` JSON (Triton's jit-hook format, read as
+            ``JITFunction.preload`` reads it).
+        target: ``(backend, arch, warp_size)`` of the GPU, e.g. ``("cuda", 90, 32)``.
+
+    Returns: the seconds it took.
+
+    Raises:
+        LookupError: ``where`` names no JIT function.
+        Whatever Triton's compiler raises.
+    """
+    import importlib
+    import json
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction
+
+    t0 = time.perf_counter()
+    module, _, qualname = where.partition(":")
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part, None)
+    while fn is not None and not isinstance(fn, JITFunction):
+        fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
+    if fn is None:
+        raise LookupError(f"precompile: no Triton JIT function at {where}")
+    d = json.loads(spec)
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in d["signature"].items()}
+    gpu = GPUTarget(*target)
+    backend = make_backend(gpu)
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
+    src = ASTSource(fn, signature, constexprs, attrs)
+    kernel = triton.compile(src, target=gpu, options=options.__dict__)
+    if gpu.backend == "cuda":  # the launcher stub (a C module, cached by its source): built at first launch otherwise
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        try:
+            CudaLauncher(kernel.src, kernel.metadata)
+        except Exception:  # noqa: BLE001 - no libcuda here (a machine without a GPU): left to the first launch
+            pass
+    return time.perf_counter() - t0
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def _take_compiled() -> list[tuple[object, dict, dict]]:
