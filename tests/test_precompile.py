@@ -134,6 +134,7 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
                       lambda: _launch(x, y, True, block=256)], dev, workers=3)
     torch.cuda.synchronize()
     assert rep.skipped is None and rep.kernels == 3 and rep.failed == 0 and rep.workers == 3, rep
+    assert rep.functions == {f"{__name__}:_axpb_kernel": 3}
     assert torch.isnan(y).all()  # the record pass launched nothing
     assert len(kernel_cache) == 3  # ... and the compile pass filled the cache
     compiled = []
@@ -208,7 +209,8 @@ def test_cold_engine_start_gives_the_same_tokens_with_and_without_precompile(tmp
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
         res[flag] = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[7:])
-        print(f"\nMEMRA_PRECOMPILE={flag}: ready in {res[flag]['ready_s']:.1f} s; {res[flag]['memory']}")
+        print(f"\nMEMRA_PRECOMPILE={flag}: ready in {res[flag]['ready_s']:.1f} s; {res[flag]['memory']}; "
+              f"{res[flag]['reports']}")
     assert res["0"]["tokens"] == res["1"]["tokens"]
     assert all(r["skipped"] for r in res["0"]["reports"])
     done = [r for r in res["1"]["reports"] if r["skipped"] is None]

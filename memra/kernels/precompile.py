@@ -39,7 +39,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["PrecompileReport", "precompile", "precompile_enabled", "recording", "start_workers", "stop_workers"]
 
@@ -57,8 +57,9 @@ def recording() -> bool:
 class PrecompileReport:
     """What :func:`precompile` did: ``kernels`` distinct specializations compiled (``failed`` of
     them failed in a worker and compiled in this process instead), ``record_s`` / ``compile_s`` /
-    ``load_s`` wall seconds of the three passes, ``workers`` processes. ``skipped``: why nothing
-    was done (None when it ran)."""
+    ``load_s`` wall seconds of the three passes, ``workers`` processes, ``functions`` how many
+    specializations of each kernel (``"module:qualname"``). ``skipped``: why nothing was done
+    (None when it ran)."""
 
     kernels: int = 0
     failed: int = 0
@@ -67,6 +68,7 @@ class PrecompileReport:
     load_s: float = 0.0
     workers: int = 0
     skipped: str | None = None
+    functions: dict[str, int] = field(default_factory=dict)  # "module:qualname" -> specializations compiled
 
 
 def precompile_enabled(device) -> bool:
@@ -206,8 +208,11 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     t2 = time.perf_counter()
     for jit_function, _, spec in seen.values():
         jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+    functions: dict[str, int] = {}
+    for _, where, _ in seen.values():
+        functions[where] = functions.get(where, 0) + 1
     return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=t2 - t1,
-                            load_s=time.perf_counter() - t2, workers=n)
+                            load_s=time.perf_counter() - t2, workers=n, functions=functions)
 
 
 def compile_specialization(where: str, spec: str, target: tuple) -> float:
