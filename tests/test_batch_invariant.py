@@ -59,6 +59,16 @@ def test_switch(monkeypatch):
         bi.set_batch_invariant(None)
     monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "0")
     assert not bi.batch_invariant()
+    for on in ("true", "ON", " yes "):
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", on)
+        assert bi.batch_invariant(), on
+    for off in ("off", "False", "no", ""):
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", off)
+        assert not bi.batch_invariant(), off
+    for bad in ("2", "enabled", "of"):
+        monkeypatch.setenv("MEMRA_BATCH_INVARIANT", bad)
+        with pytest.raises(ValueError, match=f"MEMRA_BATCH_INVARIANT='{bad}': expected one of"):
+            bi.batch_invariant()
 
 
 def test_dispatch_in_the_mode(monkeypatch):

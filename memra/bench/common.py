@@ -185,7 +185,8 @@ def add_batch_invariant_arg(p) -> None:
     ``MEMRA_BATCH_INVARIANT``; memra/kernels/batch_invariant.py)."""
     p.add_argument("--batch-invariant", choices=["on", "off"], default=None,
                    help="batch-invariant mode (memra/kernels/batch_invariant.py): every kernel choice independent "
-                        "of the step's shape; unset: MEMRA_BATCH_INVARIANT decides (0 or unset: off)")
+                        "of the step's shape; unset: MEMRA_BATCH_INVARIANT decides (1/true/on/yes: on; "
+                        "0/false/off/no or unset: off)")
 
 
 def apply_batch_invariant(a) -> bool:

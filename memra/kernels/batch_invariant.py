@@ -67,12 +67,24 @@ def set_batch_invariant(enabled: bool | None) -> None:
     _OVERRIDE[0] = enabled
 
 
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+
+
 def batch_invariant() -> bool:
     """True when batch-invariant mode is on (:func:`set_batch_invariant`, else
-    ``MEMRA_BATCH_INVARIANT=1`` in the environment)."""
+    ``MEMRA_BATCH_INVARIANT`` in the environment: ``1``/``true``/``on``/``yes`` on,
+    ``0``/``false``/``off``/``no``, empty or unset off; any case).
+
+    Raises: ValueError: the variable holds another value (it is not guessed)."""
     if _OVERRIDE[0] is not None:
         return _OVERRIDE[0]
-    return os.environ.get("MEMRA_BATCH_INVARIANT", "0") not in ("", "0")
+    v = os.environ.get("MEMRA_BATCH_INVARIANT", "").strip().lower()
+    if v in _ON:
+        return True
+    if v not in _OFF:
+        raise ValueError(f"MEMRA_BATCH_INVARIANT={os.environ['MEMRA_BATCH_INVARIANT']!r}: expected one of "
+                         f"{', '.join(_ON)} (on) or {', '.join(x for x in _OFF if x)} (off)")
+    return False
 
 
 def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
