@@ -9,7 +9,6 @@ import torch
 
 from memra.kernels.precompile import (
     PrecompileReport,
-    compile_specialization,
     default_workers,
     precompile,
     precompile_enabled,
@@ -86,12 +85,11 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
 
         target, spec, here = _spec(True)
         where = f"{_axpb_kernel.fn.__module__}:{_axpb_kernel.fn.__qualname__}"
-        seconds = mod._POOL[0].submit(compile_specialization, where, spec, (target.backend, target.arch,
-                                                                          target.warp_size)).result(timeout=600)
-        assert seconds > 0
-        with pytest.raises(LookupError, match="no Triton JIT function"):
-            mod._POOL[0].submit(compile_specialization, f"{_axpb_kernel.fn.__module__}:_no_such_kernel", spec,
-                                ("cuda", 90, 32)).result(timeout=600)
+        task = dict(where=where, spec=spec, target=[target.backend, target.arch, target.warp_size])
+        bad = dict(task, where=f"{_axpb_kernel.fn.__module__}:_no_such_kernel")
+        ok, missing = mod._POOL[0].map([task, bad])
+        assert ok["ok"] and ok["seconds"] > 0, ok
+        assert not missing["ok"] and "LookupError: precompile: no Triton JIT function" in missing["error"], missing
     finally:
         stop_workers()
     # this process may hold interpreter-mode Triton (TRITON_INTERPRET=1 set by other test modules
@@ -114,6 +112,33 @@ def _compile_here(square: bool) -> list[bool]:
     kernel = triton.compile(here["src"], target=target, options=here["options"])
     assert kernel.metadata.target.arch == 90
     return hits
+
+
+_SCRIPT_WITHOUT_MAIN_GUARD = """
+import sys
+print("SCRIPT RAN", flush=True)
+from memra.kernels.precompile import _POOL, start_workers, stop_workers
+start_workers(2)
+r = _POOL[0].map([dict(where="memra.kernels.precompile:_nothing", spec="{}", target=["cuda", 90, 32])] * 3)
+stop_workers()
+print("RESULTS", [x["ok"] for x in r], sorted({x["error"].split(":")[0] for x in r}), flush=True)
+"""
+
+
+def test_workers_do_not_rerun_a_script_without_a_main_guard(tmp_path):
+    """A user's script that starts an engine at top level (no ``if __name__ == "__main__"``) must
+    run once: the workers are fresh interpreters running memra's module, not re-imports of the
+    script (what a spawned multiprocessing pool does). Bad tasks come back as errors, each worker
+    taking tasks until the queue is empty."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT_WITHOUT_MAIN_GUARD)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("SCRIPT RAN") == 1, p.stdout
+    assert "RESULTS [False, False, False] ['LookupError']" in p.stdout, p.stdout
 
 
 def test_worker_count_from_the_environment(monkeypatch):

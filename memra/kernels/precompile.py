@@ -16,11 +16,11 @@ of a 46 s start on the H100 for the 12-layer step35 file (46 specializations of 
    Torch ops still run on the garbage; the one integer tensor a kernel writes and torch then
    indexes with, the router's top-k experts (:func:`memra.kernels.fused.router_topk`, read by
    the torch paths of ``moe_align`` and ``moe_group``), is zeroed while :func:`recording`;
-2. compile: every distinct specialization is compiled for the GPU's target in a pool of worker
-   processes (spawned, so they never touch the parent's CUDA context; a worker needs no GPU:
-   code generation, LLVM and ptxas run on the CPU). Each worker writes the kernel and its
-   launcher stub to Triton's disk cache. Processes, not threads: Triton's code generation holds
-   the GIL, so threads gained 1.45x on 2 cores where processes scale with the cores;
+2. compile: every distinct specialization is compiled for the GPU's target by worker processes
+   (``python -m memra.kernels.precompile``, fresh interpreters that never touch the GPU: code
+   generation, LLVM and ptxas run on the CPU). Each writes the kernel and its launcher stub to
+   Triton's disk cache. Processes, not threads: Triton's code generation holds the GIL, so
+   threads gained 1.45x on 2 cores where processes scale with the cores;
 3. load: ``JITFunction.preload`` in this process finds each kernel in the disk cache (the cache
    key is the same: same source, options and cache-invalidating environment) and fills the
    kernel's in-memory cache, where the real run finds it.
@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 __all__ = ["PrecompileReport", "precompile", "precompile_enabled", "recording", "start_workers", "stop_workers"]
@@ -69,6 +68,7 @@ class PrecompileReport:
     workers: int = 0
     skipped: str | None = None
     functions: dict[str, int] = field(default_factory=dict)  # "module:qualname" -> specializations compiled
+    errors: list[str] = field(default_factory=list)  # the workers' distinct errors (``failed``)
 
 
 def precompile_enabled(device) -> bool:
@@ -115,30 +115,109 @@ def _worker_init() -> None:
             continue
 
 
-def _warm() -> int:
-    return os.getpid()
+class _Workers:
+    """``n`` compile processes, each ``python -m memra.kernels.precompile``: one JSON task per line
+    on its stdin (``where``, ``spec``, ``target``: :func:`compile_specialization`'s arguments), one
+    JSON result per line on its stdout (``ok``, ``seconds`` or ``error``). Plain subprocesses, not
+    multiprocessing: a spawned multiprocessing child re-imports the parent's main script, which in a
+    user's script without a ``__main__`` guard would run the script (and load the model) again."""
+
+    def __init__(self, n: int):
+        import subprocess
+        import sys
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # where our modules are
+        self.procs = [subprocess.Popen([sys.executable, "-m", "memra.kernels.precompile"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                      for _ in range(n)]
+
+    def map(self, tasks: list[dict]) -> list[dict]:
+        """Run ``tasks`` on the workers (each worker takes the next task when done); results in
+        task order. A task whose worker died gets ``{"ok": False, "error": ...}``."""
+        import json
+        import queue
+        import threading
+
+        todo: queue.Queue = queue.Queue()
+        for i, t in enumerate(tasks):
+            todo.put((i, t))
+        results: list[dict | None] = [None] * len(tasks)
+
+        def drive(p) -> None:
+            while True:
+                try:
+                    i, t = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    p.stdin.write(json.dumps(t) + "\n")
+                    p.stdin.flush()
+                    line = p.stdout.readline()
+                except (OSError, ValueError) as e:  # a dead worker's pipe
+                    line, err = "", repr(e)
+                else:
+                    err = f"worker exited with status {p.poll()}"
+                if not line:
+                    results[i] = {"ok": False, "error": err}
+                    return  # this worker is gone; the others take the rest
+                results[i] = json.loads(line)
+
+        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in self.procs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return [r if r is not None else {"ok": False, "error": "no live worker"} for r in results]
+
+    def close(self) -> None:
+        import subprocess
+
+        for p in self.procs:
+            try:
+                p.stdin.close()  # end of tasks: the worker exits
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _serve() -> None:
+    """A worker's loop (``python -m memra.kernels.precompile``): tasks from stdin, results to stdout.
+    Library output meant for stdout goes to stderr, so that stdout carries only results."""
+    import json
+    import sys
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    _worker_init()
+    for line in sys.stdin:
+        t = json.loads(line)
+        try:
+            r = {"ok": True, "seconds": compile_specialization(t["where"], t["spec"], tuple(t["target"]))}
+        except Exception as e:  # noqa: BLE001 - reported; the parent compiles it itself
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        out.write(json.dumps(r) + "\n")
+        out.flush()
 
 
 def start_workers(workers: int | None = None) -> int:
-    """Start (once) the pool of ``workers`` compile processes (default :func:`default_workers`)
-    and let them import Triton in the background. Returns the pool size. Cheap to call again."""
+    """Start (once) ``workers`` compile processes (default :func:`default_workers`), which import
+    Triton, torch and memra's kernels in the background. Returns their number. Cheap to call again."""
     if _POOL[0] is None:
-        import multiprocessing
-
         n = workers or default_workers()
-        pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_init)
-        for _ in range(n):  # each submit finding no idle worker spawns one
-            pool.submit(_warm)
-        _POOL[0], _POOL[1] = pool, n
+        _POOL[0], _POOL[1] = _Workers(n), n
     return _POOL[1]
 
 
 def stop_workers() -> None:
-    """Shut the compile pool down (the engine calls it once its start-up is done)."""
+    """Stop the compile processes (the engine calls it once its start-up is done)."""
     pool, _POOL[0], _POOL[1] = _POOL[0], None, 0
     if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.close()
 
 
 def precompile(calls: Iterable[Callable[[], object]], device, workers: int | None = None) -> PrecompileReport:
@@ -193,18 +272,14 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     from triton.runtime.driver import driver
 
     target = driver.active.get_current_target()
-    failed = 0
     try:
         n = start_workers(workers)
-        futures = [_POOL[0].submit(compile_specialization, where, spec, (target.backend, target.arch, target.warp_size))
-                   for _, where, spec in seen.values()]
-    except Exception:  # noqa: BLE001 - no pool (a broken one, no processes allowed): all compiled below, here
-        n, futures, failed = 0, [], len(seen)
-    for f in futures:
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001 - compiled below, in this process, as on a first launch
-            failed += 1
+        results = _POOL[0].map([dict(where=where, spec=spec, target=[target.backend, target.arch, target.warp_size])
+                                for _, where, spec in seen.values()])
+    except OSError as e:  # no processes allowed: all compiled below, here
+        n, results = 0, [{"ok": False, "error": repr(e)}] * len(seen)
+    failed = sum(not r["ok"] for r in results)
+    errors = sorted({r["error"] for r in results if not r["ok"]})
     t2 = time.perf_counter()
     for jit_function, _, spec in seen.values():
         jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
@@ -212,7 +287,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     for _, where, _ in seen.values():
         functions[where] = functions.get(where, 0) + 1
     return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=t2 - t1,
-                            load_s=time.perf_counter() - t2, workers=n, functions=functions)
+                            load_s=time.perf_counter() - t2, workers=n, functions=functions, errors=errors)
 
 
 def compile_specialization(where: str, spec: str, target: tuple) -> float:
@@ -293,3 +368,7 @@ def _take_compiled() -> list[tuple[object, dict, dict]]:
                         out.append((obj, cache, dict(cache)))
                         cache.clear()
     return out
+
+
+if __name__ == "__main__":
+    _serve()
