@@ -176,6 +176,7 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
     torch.cuda.synchronize()
     assert rep.skipped is None and rep.kernels == 3 and rep.failed == 0 and rep.workers == 3, rep
     assert rep.functions == {f"{__name__}:_axpb_kernel": 3}
+    assert rep.cache_hits == 3, rep  # the workers' kernels were found on disk
     assert torch.isnan(y).all()  # the record pass launched nothing
     assert len(kernel_cache) == 3  # ... and the compile pass filled the cache
     compiled = []
@@ -256,6 +257,7 @@ def test_cold_engine_start_gives_the_same_tokens_with_and_without_precompile(tmp
     assert all(r["skipped"] for r in res["0"]["reports"])
     done = [r for r in res["1"]["reports"] if r["skipped"] is None]
     assert len(done) == 2 and sum(r["kernels"] for r in done) > 10 and sum(r["failed"] for r in done) == 0, done
+    assert sum(r["cache_hits"] for r in done) == sum(r["kernels"] for r in done), done
 
 
 @pytest.mark.gpu
@@ -286,7 +288,7 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
         assert t * moe.top_k > ALIGN_TRITON_MAX
         rep = precompile([lambda: moe(x), lambda: moe(x[:7])], torch.device("cuda"))
         torch.cuda.synchronize()  # a device-side assert would surface here
-        assert rep.skipped is None and rep.failed == 0
+        assert rep.skipped is None and rep.failed == 0 and rep.cache_hits == rep.kernels, rep
         got = moe(x)
         torch.cuda.synchronize()
     if invariant:  # fixed-order combine

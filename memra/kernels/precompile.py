@@ -69,6 +69,7 @@ class PrecompileReport:
     skipped: str | None = None
     functions: dict[str, int] = field(default_factory=dict)  # "module:qualname" -> specializations compiled
     errors: list[str] = field(default_factory=list)  # the workers' distinct errors (``failed``)
+    cache_hits: int = 0  # of the ``kernels`` loads here, how many found the workers' result on disk
 
 
 def precompile_enabled(device) -> bool:
@@ -281,13 +282,26 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     failed = sum(not r["ok"] for r in results)
     errors = sorted({r["error"] for r in results if not r["ok"]})
     t2 = time.perf_counter()
-    for jit_function, _, spec in seen.values():
-        jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+    hits = []
+    listener = knobs.compilation.listener
+
+    def count(**kw):  # Triton's compile listener: was each preload a disk-cache hit?
+        hits.append(bool(kw.get("cache_hit")))
+        if listener is not None:
+            listener(**kw)
+
+    knobs.compilation.listener = count
+    try:
+        for jit_function, _, spec in seen.values():
+            jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+    finally:
+        knobs.compilation.listener = listener
     functions: dict[str, int] = {}
     for _, where, _ in seen.values():
         functions[where] = functions.get(where, 0) + 1
     return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=t2 - t1,
-                            load_s=time.perf_counter() - t2, workers=n, functions=functions, errors=errors)
+                            load_s=time.perf_counter() - t2, workers=n, functions=functions, errors=errors,
+                            cache_hits=sum(hits))
 
 
 def compile_specialization(where: str, spec: str, target: tuple) -> float:
