@@ -194,6 +194,10 @@ def _serve() -> None:
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    try:
+        os.nice(5)  # the parent's work (loading the weights) first
+    except OSError:
+        pass
     _worker_init()
     for line in sys.stdin:
         t = json.loads(line)
