@@ -16,12 +16,6 @@ from memra.kernels.precompile import (
     stop_workers,
 )
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with torch on Linux
-    triton = None
-
 CUDA = torch.cuda.is_available()
 
 
@@ -33,48 +27,22 @@ def test_cpu_does_nothing_and_bad_workers_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="workers must be >= 1"):
         precompile([], "cpu", workers=0)
     monkeypatch.setenv("MEMRA_PRECOMPILE", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not precompile_enabled("cuda")
+    monkeypatch.delenv("MEMRA_PRECOMPILE")
+    assert not precompile_enabled("cuda")  # off by default, for now
+    monkeypatch.setenv("MEMRA_PRECOMPILE", "maybe")
+    with pytest.raises(ValueError, match="MEMRA_PRECOMPILE='maybe': expected one of"):
+        precompile_enabled("cuda")
 
 
-if triton is not None:
-    @triton.jit
-    def _axpb_kernel(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        v = tl.load(x_ptr + i, mask=m)
-        if SQUARE:
-            v = v * v
-        tl.store(y_ptr + i, v * a + 1.0, mask=m)
-
-
-def _spec(square: bool, block: int = 128) -> tuple[object, str, dict]:
-    """A specialization of ``_axpb_kernel`` for an sm_90 target in the jit hook's JSON, as the
-    record pass sees it on an H100 / H200 (16-aligned pointers), its source and options."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import serialize_specialization_data
-
-    target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options({"num_warps": 4})
-    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "a": "fp32", "BLOCK": "constexpr",
-                 "SQUARE": "constexpr"}
-    constants = {(4,): block, (5,): square}
-    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
-    spec = serialize_specialization_data("_axpb_kernel", signature, constants, attrs, options, "test")
-    from triton.runtime.jit import JITFunction
-
-    # (under TRITON_INTERPRET=1, set by other tests' modules, @triton.jit gave an interpreter wrapper)
-    jf = _axpb_kernel if isinstance(_axpb_kernel, JITFunction) else JITFunction(_axpb_kernel.fn)
-    src = ASTSource(jf, signature, constants, attrs)  # raw values, as the jit binder passes them
-    return target, spec, dict(src=src, options=options.__dict__)
-
-
-@pytest.mark.skipif(triton is None, reason="needs triton")
 def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tmp_path, monkeypatch):
     """No GPU needed: a spawned worker compiles a recorded specialization for sm_90 (code
     generation, LLVM, ptxas on the CPU); this process then compiling the same source and options
     is a disk-cache hit (the cache keys agree), while another specialization is not."""
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -83,10 +51,9 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
         assert start_workers(1) == 1 and start_workers(5) == 1  # started once
         from memra.kernels import precompile as mod
 
-        target, spec, here = _spec(True)
-        where = f"{_axpb_kernel.fn.__module__}:{_axpb_kernel.fn.__qualname__}"
-        task = dict(where=where, spec=spec, target=[target.backend, target.arch, target.warp_size])
-        bad = dict(task, where=f"{_axpb_kernel.fn.__module__}:_no_such_kernel")
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as helper:
+            task = helper.submit(_task, True).result(timeout=600)
+        bad = dict(task, where="precompile_kernels:_no_such_kernel")
         ok, missing = mod._POOL[0].map([task, bad])
         assert ok["ok"] and ok["seconds"] > 0, ok
         assert not missing["ok"] and "LookupError: precompile: no Triton JIT function" in missing["error"], missing
@@ -94,24 +61,21 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
         stop_workers()
     # this process may hold interpreter-mode Triton (TRITON_INTERPRET=1 set by other test modules
     # at import): "this process" is played by a fresh one
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(_compile_here, True).result(timeout=600) == [True]
         assert pool.submit(_compile_here, False).result(timeout=600) == [False]  # (the check can fail)
 
 
-def _compile_here(square: bool) -> list[bool]:
-    """Compile ``_spec(square)`` in this process; the compile listener's cache-hit flags."""
-    from triton import knobs
+def _task(square: bool) -> dict:  # (run in a fresh process: see precompile_kernels)
+    from precompile_kernels import task
 
-    hits = []
-    knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
-    target, _, here = _spec(square)
-    kernel = triton.compile(here["src"], target=target, options=here["options"])
-    assert kernel.metadata.target.arch == 90
-    return hits
+    return task(square)
+
+
+def _compile_here(square: bool) -> list[bool]:
+    from precompile_kernels import compile_here
+
+    return compile_here(square)
 
 
 _SCRIPT_WITHOUT_MAIN_GUARD = """
@@ -152,44 +116,40 @@ def test_worker_count_from_the_environment(monkeypatch):
     assert 1 <= default_workers() <= 16
 
 
-def _launch(x, y, square: bool, block: int = 128):
-    n = x.numel()
-    _axpb_kernel[(triton.cdiv(n, block),)](x, y, n, 3.0, BLOCK=block, SQUARE=square)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
-    monkeypatch.delenv("MEMRA_PRECOMPILE", raising=False)
+    monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
+    import precompile_kernels as pk
     from triton import knobs
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
     x = torch.randn(1000, device=dev, generator=g)
     y = torch.full_like(x, float("nan"))
-    kernel_cache = _axpb_kernel.device_caches[torch.cuda.current_device()][0]
+    kernel_cache = pk._axpb_kernel.device_caches[torch.cuda.current_device()][0]
     kernel_cache.clear()
     stop_workers()  # a pool of 3 workers for this test
     # three specializations (two constexpr values of SQUARE, two BLOCKs), one launched twice
-    rep = precompile([lambda: _launch(x, y, False), lambda: _launch(x, y, True), lambda: _launch(x, y, True),
-                      lambda: _launch(x, y, True, block=256)], dev, workers=3)
+    rep = precompile([lambda: pk.launch(x, y, False), lambda: pk.launch(x, y, True), lambda: pk.launch(x, y, True),
+                      lambda: pk.launch(x, y, True, block=256)], dev, workers=3)
     torch.cuda.synchronize()
     assert rep.skipped is None and rep.kernels == 3 and rep.failed == 0 and rep.workers == 3, rep
-    assert rep.functions == {f"{__name__}:_axpb_kernel": 3}
+    assert rep.functions == {pk.WHERE: 3}
     assert rep.cache_hits == 3, rep  # the workers' kernels were found on disk
     assert torch.isnan(y).all()  # the record pass launched nothing
     assert len(kernel_cache) == 3  # ... and the compile pass filled the cache
     compiled = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw["key"]))
     for square, block in ((False, 128), (True, 128), (True, 256)):
-        _launch(x, y, square, block)
+        pk.launch(x, y, square, block)
         torch.cuda.synchronize()
         want = (x * x if square else x) * 3.0 + 1.0
         torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     assert compiled == []  # nothing compiled at launch
     # a compiled kernel outside memra (this test module's) launches as usual in the record pass; nothing is recorded
     y.fill_(float("nan"))
-    rep = precompile([lambda: _launch(x, y, False)], dev)
+    rep = precompile([lambda: pk.launch(x, y, False)], dev)
     torch.cuda.synchronize()
     assert rep.kernels == 0
     torch.testing.assert_close(y, x * 3.0 + 1.0, rtol=1e-6, atol=1e-6)
@@ -198,7 +158,8 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_a_call_that_raises_removes_the_hook():
+def test_a_call_that_raises_removes_the_hook(monkeypatch):
+    monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
     from triton import knobs
 
     def boom():
@@ -276,6 +237,7 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
     from memra.layers.moe import MoE
 
     monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1" if invariant else "0")
+    monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
     d = write_llm_dir(tmp_path / "tiny", make_tensors(2))
     llm = LLM(str(d), device="cuda", max_model_len=64, max_num_seqs=2, enforce_eager=True)
     moe = next(layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE))

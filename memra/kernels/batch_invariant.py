@@ -46,8 +46,6 @@ sums.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .pdl import pdl_args
@@ -67,24 +65,16 @@ def set_batch_invariant(enabled: bool | None) -> None:
     _OVERRIDE[0] = enabled
 
 
-_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
-
-
 def batch_invariant() -> bool:
     """True when batch-invariant mode is on (:func:`set_batch_invariant`, else
-    ``MEMRA_BATCH_INVARIANT`` in the environment: ``1``/``true``/``on``/``yes`` on,
-    ``0``/``false``/``off``/``no``, empty or unset off; any case).
+    ``MEMRA_BATCH_INVARIANT`` in the environment, off by default: :mod:`memra.envflags`).
 
-    Raises: ValueError: the variable holds another value (it is not guessed)."""
+    Raises: ValueError: the variable holds a value that is neither on nor off."""
     if _OVERRIDE[0] is not None:
         return _OVERRIDE[0]
-    v = os.environ.get("MEMRA_BATCH_INVARIANT", "").strip().lower()
-    if v in _ON:
-        return True
-    if v not in _OFF:
-        raise ValueError(f"MEMRA_BATCH_INVARIANT={os.environ['MEMRA_BATCH_INVARIANT']!r}: expected one of "
-                         f"{', '.join(_ON)} (on) or {', '.join(x for x in _OFF if x)} (off)")
-    return False
+    from ..envflags import env_flag
+
+    return env_flag("MEMRA_BATCH_INVARIANT", False)
 
 
 def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

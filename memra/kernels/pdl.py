@@ -22,7 +22,7 @@ H100): 0.55 µs less per kernel with the wait alone, 0.68 µs with the early tri
 (benchmarks/results/issue14/pdl-probe-7436181-h100.json).
 
 :func:`pdl_args` is what a launch site passes: ``kernel[grid](..., **pdl_args(device))``.
-``MEMRA_PDL=0`` in the environment, or :func:`set_pdl` (False), turns it off (A/B benchmarks:
+``MEMRA_PDL=0`` (or ``off``: :mod:`memra.envflags`) in the environment, or :func:`set_pdl` (False), turns it off (A/B benchmarks:
 ``memra bench decode --pdl off``).
 """
 
@@ -52,7 +52,9 @@ def pdl_enabled(device: torch.device | str) -> bool:
         return False
     on = _OVERRIDE[0]
     if on is None:
-        on = os.environ.get("MEMRA_PDL", "1") != "0"
+        from ..envflags import env_flag
+
+        on = env_flag("MEMRA_PDL", True)
     if not on or not torch.cuda.is_available():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()

@@ -29,7 +29,7 @@ of a 46 s start on the H100 for the 12-layer step35 file (46 specializations of 
 so the workers' imports overlap the load. A specialization the record pass did not see, or one a
 worker failed to compile, compiles in this process in the load pass (as on first launch before),
 so the mechanism changes start-up time, never results. On the CPU, under the interpreter
-(``TRITON_INTERPRET=1``) or with ``MEMRA_PRECOMPILE=0`` it does nothing.
+(``TRITON_INTERPRET=1``) or without ``MEMRA_PRECOMPILE=1`` (off by default for now) it does nothing.
 ``MEMRA_PRECOMPILE_WORKERS`` sets the pool size (default: the CPUs this process may use, at most 16).
 """
 
@@ -73,12 +73,17 @@ class PrecompileReport:
 
 
 def precompile_enabled(device) -> bool:
-    """True for a CUDA device, outside the interpreter, unless ``MEMRA_PRECOMPILE=0``."""
+    """True for a CUDA device, outside the interpreter, with ``MEMRA_PRECOMPILE=1`` (off by
+    default until the whole GPU suite has run with it on: :mod:`memra.envflags` reads the value).
+
+    Raises: ValueError: the variable holds a value that is neither on nor off."""
     import torch
 
     if torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return os.environ.get("MEMRA_PRECOMPILE", "1") != "0"
+    from ..envflags import env_flag
+
+    return env_flag("MEMRA_PRECOMPILE", False)
 
 
 def default_workers() -> int:
@@ -243,7 +248,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     if workers is not None and workers < 1:
         raise ValueError(f"precompile: workers must be >= 1, got {workers}")
     if not precompile_enabled(device):
-        return PrecompileReport(skipped="not a CUDA device, interpreter, or MEMRA_PRECOMPILE=0")
+        return PrecompileReport(skipped="not a CUDA device, interpreter, or MEMRA_PRECOMPILE off")
     import triton
     from triton import knobs
 

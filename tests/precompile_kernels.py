@@ -1,0 +1,64 @@
+"""A small Triton kernel and its sm_90 specialization for tests/test_precompile.py, in its own
+module so that the test module does not import Triton at collection (whoever imports Triton first
+fixes its mode for the session: other test modules set ``TRITON_INTERPRET=1`` before they do)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _axpb_kernel(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    v = tl.load(x_ptr + i, mask=m)
+    if SQUARE:
+        v = v * v
+    tl.store(y_ptr + i, v * a + 1.0, mask=m)
+
+
+WHERE = f"{__name__}:_axpb_kernel"
+
+
+def launch(x, y, square: bool, block: int = 128) -> None:
+    """``y = (x or x*x) * 3 + 1`` on the GPU."""
+    n = x.numel()
+    _axpb_kernel[(triton.cdiv(n, block),)](x, y, n, 3.0, BLOCK=block, SQUARE=square)
+
+
+def spec(square: bool, block: int = 128):
+    """A specialization of ``_axpb_kernel`` for an sm_90 target in the jit hook's JSON, as the
+    record pass sees it on an H100 / H200 (16-aligned pointers): (target, JSON, source, options)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4})
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "a": "fp32", "BLOCK": "constexpr",
+                 "SQUARE": "constexpr"}
+    constants = {(4,): block, (5,): square}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    data = serialize_specialization_data("_axpb_kernel", signature, constants, attrs, options, "test")
+    src = ASTSource(_axpb_kernel, signature, constants, attrs)  # raw values, as the jit binder passes them
+    return target, data, src, options.__dict__
+
+
+def task(square: bool) -> dict:
+    """A compile task for memra's precompile workers."""
+    target, data, _, _ = spec(square)
+    return dict(where=WHERE, spec=data, target=[target.backend, target.arch, target.warp_size])
+
+
+def compile_here(square: bool) -> list[bool]:
+    """Compile ``spec(square)`` in this process; the compile listener's cache-hit flags."""
+    from triton import knobs
+
+    hits = []
+    knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    target, _, src, options = spec(square)
+    kernel = triton.compile(src, target=target, options=options)
+    assert kernel.metadata.target.arch == 90
+    return hits
