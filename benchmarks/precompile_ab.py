@@ -4,7 +4,7 @@ cold start), and in each: ready time, the precompile reports, greedy tokens of t
 TTFT of a 4096-token prompt (4 times), decode tok/s, the prefill's device time per kernel
 (torch.profiler) and the in-memory Triton kernels (key, binary hash, registers, spills).
 
-It exists because the one A/B on the 12-layer step35 GGUF (H100, b83974c, multiprocessing
+It exists because the one A/B on the 12-layer step35 GGUF (H100, 6078d6d, multiprocessing
 workers) had the precompile-on engine prefill 2x slower and decode at 420 tok/s on its warm
 start, unexplained: with the same greedy tokens, the same kernels (binaries, registers) and
 per-kernel times the two modes must agree, and this prints where they do not.
@@ -37,6 +37,11 @@ def child(path: str, prompt: int, out: str) -> None:
     t0 = time.time()
     llm = LLM(path, device="cuda", max_model_len=prompt + 128)
     ready = time.time() - t0
+    # processes this one still has after ready (the compile workers must be gone: they would take
+    # CPU from the host-bound steps measured below)
+    kids = subprocess.run(["ps", "--ppid", str(os.getpid()), "-o", "pid=,pcpu=,args="], capture_output=True,
+                          text=True).stdout.strip().splitlines()
+    kids = [k for k in kids if " ps " not in f" {k} "]
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.vocab_size
 
@@ -77,7 +82,7 @@ def child(path: str, prompt: int, out: str) -> None:
                                           spills=getattr(k, "n_spills", None)))
     reports = [vars(r) for r in llm.engine.precompile_reports if r is not None]
     with open(out, "w") as f:
-        json.dump(dict(process_s=time.time() - t_start, ready_s=ready, tokens=tokens, ttft_s=ttft,
+        json.dump(dict(process_s=time.time() - t_start, ready_s=ready, children_after_ready=kids, tokens=tokens, ttft_s=ttft,
                        decode_tok_s=64 / (full - one), memory=llm.engine.memory_report, reports=reports,
                        kernels=kernels, cache=cache), f)
 
@@ -89,6 +94,9 @@ def compare(a: dict, b: dict) -> tuple[list[str], bool]:
                         ("TTFT (min of 4), ms", 1e3 * min(a["ttft_s"]), 1e3 * min(b["ttft_s"])),
                         ("decode, tok/s", a["decode_tok_s"], b["decode_tok_s"])):
         lines.append(f"{label:<34} {x:>10.1f} {y:>10.1f} {y / x:>7.2f}")
+    for tag, x in (("off", a), ("on", b)):
+        if x.get("children_after_ready"):
+            lines.append(f"{tag}: processes still alive after ready: {x['children_after_ready']}")
     same = a["tokens"] == b["tokens"]
     lines.append(f"greedy tokens (3 prompts x 16): {'the same' if same else 'DIFFERENT'}")
     ka, kb = a["kernels"], b["kernels"]
