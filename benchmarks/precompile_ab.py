@@ -2,7 +2,8 @@
 ``MEMRA_PRECOMPILE=0`` then ``=1``, each in its own process with its own empty Triton cache (a
 cold start), and in each: ready time, the precompile reports, greedy tokens of three prompts,
 TTFT of a 4096-token prompt (4 times), decode tok/s, the prefill's device time per kernel
-(torch.profiler) and the in-memory Triton kernels (key, binary hash, registers, spills).
+(torch.profiler), the in-memory Triton kernels (key, binary hash, registers, spills) and the
+processes still alive after ready.
 
 It exists because the one A/B on the 12-layer step35 GGUF (H100, 6078d6d, multiprocessing
 workers) had the precompile-on engine prefill 2x slower and decode at 420 tok/s on its warm
@@ -10,7 +11,9 @@ start, unexplained: with the same greedy tokens, the same kernels (binaries, reg
 per-kernel times the two modes must agree, and this prints where they do not.
 
 Usage (GPU): ``python3 benchmarks/precompile_ab.py GGUF OUT.json [--prompt 4096]``.
-Prints a table (ratios on / off) and writes JSON. Exit status 1 when the greedy tokens differ.
+A third cold start with it off is the control for the tokens (the default MoE prefill adds with
+fp32 atomics, in no fixed order). Prints a table (ratios on / off) and writes JSON. Exit status 1
+when the greedy tokens differ between off and on while the two off runs agree.
 """
 
 from __future__ import annotations
@@ -130,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = {}
     with tempfile.TemporaryDirectory(prefix="memra-precompile-ab-") as tmp:
-        for flag in ("0", "1"):
-            out = os.path.join(tmp, f"run-{flag}.json")
-            env = dict(os.environ, MEMRA_PRECOMPILE=flag, TRITON_CACHE_DIR=os.path.join(tmp, f"triton-{flag}"))
+        for run in ("0", "1", "0b"):  # 0b: a second plain cold start, the control for the tokens
+            flag = run[0]
+            out = os.path.join(tmp, f"run-{run}.json")
+            env = dict(os.environ, MEMRA_PRECOMPILE=flag, TRITON_CACHE_DIR=os.path.join(tmp, f"triton-{run}"))
             t0 = time.time()
             r = subprocess.run([sys.executable, os.path.abspath(__file__), a.path, a.json_out, "--prompt",
                                 str(a.prompt), "--child", out], env=env, capture_output=True, text=True)
@@ -141,15 +145,19 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             with open(out) as f:
-                runs[flag] = json.load(f)
-            print(f"MEMRA_PRECOMPILE={flag}: {time.time() - t0:.0f} s", flush=True)
+                runs[run] = json.load(f)
+            print(f"MEMRA_PRECOMPILE={flag} ({run}): {time.time() - t0:.0f} s", flush=True)
     lines, same = compare(runs["0"], runs["1"])
+    control = runs["0"]["tokens"] == runs["0b"]["tokens"]
+    lines.append(f"control, two plain cold starts: greedy tokens {'the same' if control else 'DIFFERENT'} "
+                 "(the default MoE prefill adds with fp32 atomics, in no fixed order)")
     print("\n".join(lines))
     from memra.bench.common import commit, write_json
 
     write_json(a.json_out, dict(bench="precompile_ab", commit=commit(), path=a.path, prompt=a.prompt,
-                                off=runs["0"], on=runs["1"], table=lines, same_tokens=same))
-    return 0 if same else 1
+                                off=runs["0"], on=runs["1"], off_control=runs["0b"], table=lines,
+                                same_tokens=same, control_same_tokens=control))
+    return 0 if same or not control else 1
 
 
 if __name__ == "__main__":

@@ -27,5 +27,8 @@ def test_pdl_switch_reads_the_same_way(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="MEMRA_PDL='sometimes'"):
         pdl_enabled("cuda")
+    # "off" must answer before any CUDA query (this machine may have no GPU: it would raise)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: (_ for _ in ()).throw(AssertionError("queried")))
     monkeypatch.setenv("MEMRA_PDL", "off")
     assert not pdl_enabled("cuda")

@@ -118,8 +118,9 @@ def test_worker_count_from_the_environment(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
+def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # cold: the workers must compile
     import precompile_kernels as pk
     from triton import knobs
 
@@ -135,8 +136,11 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
                       lambda: pk.launch(x, y, True, block=256)], dev, workers=3)
     torch.cuda.synchronize()
     assert rep.skipped is None and rep.kernels == 3 and rep.failed == 0 and rep.workers == 3, rep
-    assert rep.functions == {pk.WHERE: 3}
+    assert rep.on_disk == 0 and rep.functions == {pk.WHERE: 3} and not rep.errors, rep
     assert rep.cache_hits == 3, rep  # the workers' kernels were found on disk
+    from memra.kernels import precompile as mod
+
+    assert mod._POOL[0] is None  # the workers stopped (no keep_workers)
     assert torch.isnan(y).all()  # the record pass launched nothing
     assert len(kernel_cache) == 3  # ... and the compile pass filled the cache
     compiled = []
@@ -147,26 +151,73 @@ def test_record_skips_then_parallel_compile_fills_the_cache(monkeypatch):
         want = (x * x if square else x) * 3.0 + 1.0
         torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     assert compiled == []  # nothing compiled at launch
-    # a compiled kernel outside memra (this test module's) launches as usual in the record pass; nothing is recorded
+    # an already compiled kernel (this test module's, not memra's) is skipped in the record pass
+    # too (it would run on garbage) and not recorded; it still launches afterwards
     y.fill_(float("nan"))
     rep = precompile([lambda: pk.launch(x, y, False)], dev)
     torch.cuda.synchronize()
-    assert rep.kernels == 0
+    assert rep.kernels == 0 and torch.isnan(y).all(), rep
+    pk.launch(x, y, False)
+    torch.cuda.synchronize()
     torch.testing.assert_close(y, x * 3.0 + 1.0, rtol=1e-6, atol=1e-6)
     assert knobs.runtime.jit_cache_hook is None  # the hook is removed
+    # a warm start: the in-memory kernels gone, the disk cache full; no worker is started
+    kernel_cache.clear()
+    rep = precompile([lambda: pk.launch(x, y, False), lambda: pk.launch(x, y, True, block=256)], dev, workers=3)
+    assert rep.kernels == 2 and rep.on_disk == 2 and rep.workers == 0 and rep.cache_hits == 2, rep
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_a_call_that_raises_removes_the_hook(monkeypatch):
+def test_launches_from_other_threads_run_during_a_record_pass(monkeypatch, tmp_path):
+    """The skip hook answers for the recording thread only: a launch from another thread while
+    the record pass runs is compiled and runs as usual."""
+    import threading
+
+    monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    import precompile_kernels as pk
+
+    from memra.kernels.precompile import recording
+
+    dev = torch.device("cuda")
+    x = torch.randn(300, device=dev)
+    y_main = torch.full_like(x, float("nan"))
+    y_other = torch.full_like(x, float("nan"))
+    pk._axpb_kernel.device_caches[torch.cuda.current_device()][0].clear()
+    seen = []
+
+    def other():
+        seen.append(recording())
+        pk.launch(x, y_other, True, block=64)
+        torch.cuda.synchronize()
+
+    def call():
+        pk.launch(x, y_main, False, block=64)
+        seen.append(recording())
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+
+    rep = precompile([call], dev, workers=1)
+    torch.cuda.synchronize()
+    assert seen == [True, False]
+    assert torch.isnan(y_main).all()  # skipped (recorded)
+    torch.testing.assert_close(y_other, x * x * 3.0 + 1.0, rtol=1e-6, atol=1e-6)  # ran
+    assert rep.kernels == 1, rep
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_call_that_raises_is_abandoned_and_removes_the_hook(monkeypatch):
     monkeypatch.setenv("MEMRA_PRECOMPILE", "1")
     from triton import knobs
 
     def boom():
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError, match="boom"):
-        precompile([boom], torch.device("cuda"))
+    rep = precompile([boom], torch.device("cuda"))  # abandoned, not raised: the real run meets it again
+    assert rep.skipped == "record pass raised RuntimeError: boom", rep
     assert knobs.runtime.jit_cache_hook is None
 
 
@@ -177,11 +228,14 @@ from memra.engine.sampling import SamplingParams
 t0 = time.perf_counter()
 llm = LLM(sys.argv[1], device="cuda", max_model_len=128, max_num_seqs=4)
 ready = time.perf_counter() - t0
+from triton import knobs
+after = []  # kernels compiled once the engine is ready
+knobs.runtime.jit_post_compile_hook = lambda **kw: after.append(kw["fn"].name)
 prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
 reports = [vars(r) for r in llm.engine.precompile_reports if r is not None]
 print("RESULT " + json.dumps(dict(ready_s=ready, tokens=[o.outputs[0].token_ids for o in outs], reports=reports,
-                                  memory=llm.engine.memory_report)))
+                                  memory=llm.engine.memory_report, compiled_after_ready=len(after))))
 """
 
 
@@ -190,7 +244,8 @@ print("RESULT " + json.dumps(dict(ready_s=ready, tokens=[o.outputs[0].token_ids 
 def test_cold_engine_start_gives_the_same_tokens_with_and_without_precompile(tmp_path):
     """Two cold starts (each with its own empty Triton cache) of the tiny Step model on the GPU,
     MEMRA_PRECOMPILE=0 and 1: the same greedy tokens; the second compiled its start-up kernels
-    in the parallel pass (none failed). Start-up times are printed, not asserted."""
+    in the parallel pass (none failed, every load a disk hit) and compiled no more after ready
+    than the first. Start-up times are printed, not asserted."""
     import json
     import os
     import random
@@ -207,7 +262,8 @@ def test_cold_engine_start_gives_the_same_tokens_with_and_without_precompile(tmp
     res = {}
     for flag in ("0", "1"):
         env = dict(os.environ, MEMRA_PRECOMPILE=flag, TRITON_CACHE_DIR=str(tmp_path / f"triton-{flag}"),
-                   PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join(p for p in [str(here.parent), str(here),
+                                                          os.environ.get("PYTHONPATH", "")] if p))
         p = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, str(d), json.dumps(prompts)], env=env,
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -219,6 +275,8 @@ def test_cold_engine_start_gives_the_same_tokens_with_and_without_precompile(tmp
     done = [r for r in res["1"]["reports"] if r["skipped"] is None]
     assert len(done) == 2 and sum(r["kernels"] for r in done) > 10 and sum(r["failed"] for r in done) == 0, done
     assert sum(r["cache_hits"] for r in done) == sum(r["kernels"] for r in done), done
+    # precompiling never leaves more to compile after ready than the plain start does
+    assert res["1"]["compiled_after_ready"] <= res["0"]["compiled_after_ready"], res
 
 
 @pytest.mark.gpu
@@ -228,8 +286,9 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
     """The hazard that made the first version crash an engine start: 2048 tokens x top-4 = 8192
     pairs > ALIGN_TRITON_MAX, so the grouped MoE aligns in torch, which indexes with the router's
     top-k ids; in the record pass the router kernel is skipped (ids zeroed, not garbage) and so is
-    every already compiled kernel (none runs on garbage). Then the layer's real output matches a
-    run that never saw the record pass (bit for bit in batch-invariant mode)."""
+    every already compiled kernel (none runs on garbage). The layer's kernels, compiled by the
+    workers, then give what the same kernels compiled here give (bit for bit in batch-invariant
+    mode)."""
     from step35_tiny import make_tensors, write_llm_dir
 
     from memra.engine.llm import LLM
@@ -244,14 +303,23 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
     g = torch.Generator(device="cuda").manual_seed(1)
     t = 2048
     x = torch.randn(t, llm.engine.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    from memra.kernels.precompile import _take_compiled
+
     with torch.inference_mode():
-        want = moe(x)  # compiles the layer's kernels at this width the usual way
-        torch.cuda.synchronize()
         assert t * moe.top_k > ALIGN_TRITON_MAX
+        # every kernel the layer uses compiled by the workers (in-memory caches emptied, a fresh disk cache)
+        _take_compiled()
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "workers"))
         rep = precompile([lambda: moe(x), lambda: moe(x[:7])], torch.device("cuda"))
         torch.cuda.synchronize()  # a device-side assert would surface here
-        assert rep.skipped is None and rep.failed == 0 and rep.cache_hits == rep.kernels, rep
+        assert rep.skipped is None and rep.kernels >= 3 and rep.failed == 0 and rep.on_disk == 0, rep
+        assert rep.cache_hits == rep.kernels and not rep.errors, rep
         got = moe(x)
+        torch.cuda.synchronize()
+        # the reference: the same kernels compiled in this process, the usual way
+        _take_compiled()
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "here"))
+        want = moe(x)
         torch.cuda.synchronize()
     if invariant:  # fixed-order combine
         assert torch.equal(got, want)

@@ -276,10 +276,6 @@ class LLMEngine:
         device = torch.device(cfg.device)
         # a parallel run shards the CPU-loaded model, then moves each shard to its rank's device
         load_device = torch.device("cpu") if cfg.parallel else device
-        from ..kernels.precompile import precompile_enabled, start_workers
-
-        if not cfg.parallel and precompile_enabled(device):  # compile workers import Triton while weights load
-            start_workers()
         if model is None:
             model, self.checkpoint, tokenizer = _load(cfg.model, dtype, load_device, progress)
             self.model_name = str(cfg.model)
@@ -352,11 +348,16 @@ class LLMEngine:
             self.precompile_reports.append(graphs.precompile)
         done = [r for r in self.precompile_reports if r is not None and r.skipped is None]
         if done:
-            self.memory_report += (f"; Triton kernels compiled in parallel at start: {sum(r.kernels for r in done)} in "
+            self.memory_report += (f"; Triton kernels precompiled at start: {sum(r.kernels for r in done)} "
+                                   f"({sum(r.on_disk for r in done)} on disk already) in "
                                    f"{sum(r.compile_s + r.load_s for r in done):.1f} s on "
                                    f"{max(r.workers for r in done)} processes"
-                                   + (f" ({sum(r.failed for r in done)} compiled here instead)"
+                                   + (f", {sum(r.failed for r in done)} left to their first launch"
                                       if any(r.failed for r in done) else ""))
+        abandoned = [r.skipped for r in self.precompile_reports
+                     if r is not None and (r.skipped or "").startswith("record pass raised")]
+        if abandoned:
+            self.memory_report += f"; Triton precompile abandoned: {abandoned[0]}"
         from ..kernels.precompile import stop_workers
 
         stop_workers()
@@ -421,7 +422,8 @@ class LLMEngine:
         if self.parallel is None:  # (a TP / EP rank 0 must not feed the workers' collectives garbage)
             from ..kernels.precompile import precompile
 
-            self.precompile_reports.append(precompile([profile_step], device))  # its kernels, compiled in parallel
+            # its kernels, compiled in parallel; the workers stay for the CUDA-graph capture's
+            self.precompile_reports.append(precompile([profile_step], device, keep_workers=True))
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from ..envflags import env_flag
 from .pdl import pdl_args
 
 __all__ = ["batch_invariant", "set_batch_invariant", "invariant_matmul", "invariant_matmul_ref",
@@ -72,8 +73,6 @@ def batch_invariant() -> bool:
     Raises: ValueError: the variable holds a value that is neither on nor off."""
     if _OVERRIDE[0] is not None:
         return _OVERRIDE[0]
-    from ..envflags import env_flag
-
     return env_flag("MEMRA_BATCH_INVARIANT", False)
 
 

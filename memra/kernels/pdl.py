@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from ..envflags import env_flag
+
 __all__ = ["pdl_args", "pdl_enabled", "set_pdl"]
 
 _OVERRIDE: list[bool | None] = [None]
@@ -52,8 +54,6 @@ def pdl_enabled(device: torch.device | str) -> bool:
         return False
     on = _OVERRIDE[0]
     if on is None:
-        from ..envflags import env_flag
-
         on = env_flag("MEMRA_PDL", True)
     if not on or not torch.cuda.is_available():
         return False

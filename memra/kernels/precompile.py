@@ -5,71 +5,84 @@ another on first launch, in the KV-budget profile run and in the CUDA-graph warm
 of a 46 s start on the H100 for the 12-layer step35 file (46 specializations of 14 kernels,
 ``memra bench file``, NOTES.md). :func:`precompile` does the same work in three passes:
 
-1. record: the calls run with Triton's ``knobs.runtime.jit_cache_hook`` set to a hook that
-   records each launch's specialization (``specialization_data``, the JSON that
-   ``JITFunction.preload`` reads back) and answers "skip": the launch is then neither compiled
-   nor launched (Triton returns before both). memra's kernels that are compiled already are
-   taken out of their in-memory caches for the pass (and put back after), so they are skipped
-   too: no kernel runs on a skipped kernel's output. Those outputs are ``torch.empty`` garbage
-   and the calls' results are dropped: use it only on work whose outputs nothing reads (warm-up
-   and profile runs) and whose host code does not branch on what kernels would have written.
-   Torch ops still run on the garbage; the one integer tensor a kernel writes and torch then
-   indexes with, the router's top-k experts (:func:`memra.kernels.fused.router_topk`, read by
-   the torch paths of ``moe_align`` and ``moe_group``), is zeroed while :func:`recording`;
-2. compile: every distinct specialization is compiled for the GPU's target by worker processes
+1. record: the calls run, in the calling thread, with Triton's ``knobs.runtime.jit_cache_hook``
+   set to a hook that records each launch's specialization (``specialization_data``, the JSON
+   that ``JITFunction.preload`` reads back) and answers "skip": the launch is then neither
+   compiled nor launched (Triton returns before both). Every Triton kernel compiled already (any
+   ``JITFunction`` in the process) is taken out of its in-memory cache for the pass and put back
+   after, so it is skipped too: no kernel runs on a skipped kernel's output. Those outputs are
+   ``torch.empty`` garbage and the calls' results are dropped: use it only on work whose outputs
+   nothing reads (warm-up and profile runs) and whose host code does not branch on what kernels
+   would have written. Torch ops still run on the garbage; the one integer tensor a kernel writes
+   and torch then indexes with, the router's top-k experts
+   (:func:`memra.kernels.fused.router_topk`, read by the torch paths of ``moe_align`` and
+   ``moe_group``), is zeroed while :func:`recording`. Launches from other threads are not
+   touched (the hook and :func:`recording` answer for the recording thread only);
+2. compile: the specializations not in Triton's disk cache yet (this process computes each one's
+   cache key, as ``triton.compile`` does) are compiled for the GPU's target by worker processes
    (``python -m memra.kernels.precompile``, fresh interpreters that never touch the GPU: code
-   generation, LLVM and ptxas run on the CPU). Each writes the kernel and its launcher stub to
-   Triton's disk cache. Processes, not threads: Triton's code generation holds the GIL, so
-   threads gained 1.45x on 2 cores where processes scale with the cores;
-3. load: ``JITFunction.preload`` in this process finds each kernel in the disk cache (the cache
-   key is the same: same source, options and cache-invalidating environment) and fills the
-   kernel's in-memory cache, where the real run finds it.
+   generation, LLVM and ptxas run on the CPU), each writing the kernel and its launcher stub to
+   the disk cache. Processes, not threads: Triton's code generation holds the GIL, so threads
+   gained 1.45x on 2 cores where processes scale with the cores. The workers start only when
+   something is missing (a warm start starts none), and stop at the end of the call unless
+   ``keep_workers`` (the engine keeps them from its profile step to its CUDA-graph capture);
+3. load: ``JITFunction.preload`` in this process finds each kernel in the disk cache and fills
+   the kernel's in-memory cache, where the real run finds it.
 
-:func:`start_workers` starts the pool early (the engine calls it before it loads the weights),
-so the workers' imports overlap the load. A specialization the record pass did not see, or one a
-worker failed to compile, compiles in this process in the load pass (as on first launch before),
-so the mechanism changes start-up time, never results. On the CPU, under the interpreter
-(``TRITON_INTERPRET=1``) or without ``MEMRA_PRECOMPILE=1`` (off by default for now) it does nothing.
-``MEMRA_PRECOMPILE_WORKERS`` sets the pool size (default: the CPUs this process may use, at most 16).
+Nothing here changes results: a specialization the record pass did not see, one a worker failed
+to compile (or took longer than :data:`TASK_TIMEOUT_S`) and one whose load failed all compile on
+first launch, as before; a record pass that raises is abandoned (the report says why) and the
+real run that follows meets the same error, if it is one. On the CPU, under the interpreter
+(``TRITON_INTERPRET=1``) or without ``MEMRA_PRECOMPILE=1`` (off by default for now) it does
+nothing. ``MEMRA_PRECOMPILE_WORKERS`` sets the number of workers (default: the CPUs this process
+may use, at most 16).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["PrecompileReport", "precompile", "precompile_enabled", "recording", "start_workers", "stop_workers"]
+__all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "default_workers", "precompile",
+           "precompile_enabled", "recording", "start_workers", "stop_workers"]
 
-_RECORDING = [False]
-_POOL: list = [None, 0]  # the worker pool and its size
+#: seconds a worker may spend on one specialization before it is killed (the kernel then compiles
+#: in the engine's process, on first launch)
+TASK_TIMEOUT_S = 300.0
+
+_RECORDER: list[int | None] = [None]  # the thread id of the record pass in progress
+_POOL: list = [None, 0]  # the workers and their number
 
 
 def recording() -> bool:
-    """True inside :func:`precompile`'s record pass (kernel launches are skipped: see the module
-    docstring)."""
-    return _RECORDING[0]
+    """True in the thread running :func:`precompile`'s record pass (kernel launches are skipped:
+    see the module docstring)."""
+    return _RECORDER[0] is not None and _RECORDER[0] == threading.get_ident()
 
 
 @dataclass
 class PrecompileReport:
-    """What :func:`precompile` did: ``kernels`` distinct specializations compiled (``failed`` of
-    them failed in a worker and compiled in this process instead), ``record_s`` / ``compile_s`` /
-    ``load_s`` wall seconds of the three passes, ``workers`` processes, ``functions`` how many
-    specializations of each kernel (``"module:qualname"``). ``skipped``: why nothing was done
-    (None when it ran)."""
+    """What :func:`precompile` did. ``kernels``: distinct specializations recorded; ``on_disk`` of
+    them were in Triton's disk cache already, the others went to ``workers`` processes, where
+    ``failed`` of them failed (they compile here, on first launch); ``cache_hits``: loads here that
+    found the kernel on disk; ``record_s`` / ``compile_s`` / ``load_s``: wall seconds of the three
+    passes; ``functions``: specializations per kernel (``"module:qualname"``); ``errors``: the
+    distinct errors (workers' and loads'). ``skipped``: why nothing was done (None when it ran)."""
 
     kernels: int = 0
+    on_disk: int = 0
     failed: int = 0
+    cache_hits: int = 0
     record_s: float = 0.0
     compile_s: float = 0.0
     load_s: float = 0.0
     workers: int = 0
     skipped: str | None = None
-    functions: dict[str, int] = field(default_factory=dict)  # "module:qualname" -> specializations compiled
-    errors: list[str] = field(default_factory=list)  # the workers' distinct errors (``failed``)
-    cache_hits: int = 0  # of the ``kernels`` loads here, how many found the workers' result on disk
+    functions: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
 
 
 def precompile_enabled(device) -> bool:
@@ -102,10 +115,14 @@ def default_workers() -> int:
     return max(1, min(16, n))
 
 
+# ---------------------------------------------------------------------------------------
+# the worker processes
+
+
 def _worker_init() -> None:
     # what the compiles will need (Triton, torch, memra's kernel modules), imported once per
-    # worker while the parent does other work; a module that fails to import here is retried
-    # (and its error reported) by the compile that needs it
+    # worker; a module that fails to import here is retried (and its error reported) by the
+    # compile that needs it
     import importlib
     import pkgutil
 
@@ -121,59 +138,127 @@ def _worker_init() -> None:
             continue
 
 
+def _memra_root() -> str:
+    import memra
+
+    return os.path.dirname(os.path.abspath(memra.__file__))
+
+
 class _Workers:
-    """``n`` compile processes, each ``python -m memra.kernels.precompile``: one JSON task per line
-    on its stdin (``where``, ``spec``, ``target``: :func:`compile_specialization`'s arguments), one
-    JSON result per line on its stdout (``ok``, ``seconds`` or ``error``). Plain subprocesses, not
-    multiprocessing: a spawned multiprocessing child re-imports the parent's main script, which in a
-    user's script without a ``__main__`` guard would run the script (and load the model) again."""
+    """``n`` compile processes, each ``python -P -m memra.kernels.precompile`` (``-P``: the
+    working directory does not shadow this process's memra). A worker first writes a hello line
+    (``{"memra": its package directory}``; a worker running another copy of memra is not used),
+    then answers one JSON task per line on its stdin (``where``, ``spec``, ``target``:
+    :func:`compile_specialization`'s arguments) with one JSON result per line on its stdout
+    (``ok``, ``seconds`` or ``error``); its stderr goes to a temporary log, whose tail a failure
+    quotes. Plain subprocesses, not multiprocessing: a spawned multiprocessing child re-imports the
+    parent's main script, which in a user's script without a ``__main__`` guard would run the
+    script (and load the model) again.
+
+    Raises: OSError: a process could not be started (the ones started are stopped first)."""
 
     def __init__(self, n: int):
         import subprocess
         import sys
+        import tempfile
 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # where our modules are
-        self.procs = [subprocess.Popen([sys.executable, "-m", "memra.kernels.precompile"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-                      for _ in range(n)]
+        self.root = _memra_root()
+        self.procs, self.logs = [], []
+        try:
+            for _ in range(n):
+                log = tempfile.NamedTemporaryFile(prefix="memra-precompile-", suffix=".log", delete=False)
+                self.logs.append(log)
+                self.procs.append(subprocess.Popen([sys.executable, "-P", "-m", "memra.kernels.precompile"],
+                                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                                   text=True, env=env))
+        except OSError:
+            self.close()
+            raise
+        self.greeted = [False] * n
+        self.refused: list[str | None] = [None] * n  # why a worker was not used
 
-    def map(self, tasks: list[dict]) -> list[dict]:
+    def _tail(self, i: int) -> str:
+        try:
+            with open(self.logs[i].name, errors="replace") as f:
+                return f.read()[-1500:].strip()
+        except OSError:
+            return ""
+
+    def _dead(self, i: int, what: str) -> str:
+        p = self.procs[i]
+        try:
+            p.wait(timeout=2)
+        except Exception:  # noqa: BLE001 - still running: killed below, status unknown
+            pass
+        tail = self._tail(i)
+        return f"{what} (worker status {p.poll()})" + (f": {tail}" if tail else "")
+
+    def map(self, tasks: list[dict], timeout: float = TASK_TIMEOUT_S) -> list[dict]:
         """Run ``tasks`` on the workers (each worker takes the next task when done); results in
-        task order. A task whose worker died gets ``{"ok": False, "error": ...}``."""
+        task order. A task whose worker died, hung past ``timeout`` seconds (it is killed) or
+        answered garbage gets ``{"ok": False, "error": ...}``; that worker takes no more tasks."""
         import json
         import queue
-        import threading
 
         todo: queue.Queue = queue.Queue()
         for i, t in enumerate(tasks):
             todo.put((i, t))
         results: list[dict | None] = [None] * len(tasks)
 
-        def drive(p) -> None:
+        def drive(w: int) -> None:
+            p = self.procs[w]
+            if not self.greeted[w]:  # the hello line, once
+                timer = threading.Timer(timeout, p.kill)
+                timer.start()
+                try:
+                    hello = p.stdout.readline()
+                finally:
+                    timer.cancel()
+                try:
+                    theirs = json.loads(hello).get("memra")
+                except (ValueError, AttributeError):
+                    theirs = None
+                if theirs != self.root:
+                    p.kill()
+                    self.refused[w] = (f"worker runs memra from {theirs}, not {self.root}" if theirs else
+                                       self._dead(w, "worker did not start"))
+                    return
+                self.greeted[w] = True
             while True:
                 try:
                     i, t = todo.get_nowait()
                 except queue.Empty:
                     return
+                timer = threading.Timer(timeout, p.kill)
+                timer.start()
                 try:
                     p.stdin.write(json.dumps(t) + "\n")
                     p.stdin.flush()
                     line = p.stdout.readline()
                 except (OSError, ValueError) as e:  # a dead worker's pipe
-                    line, err = "", repr(e)
-                else:
-                    err = f"worker exited with status {p.poll()}"
+                    line = ""
+                    results[i] = {"ok": False, "error": self._dead(w, repr(e))}
+                finally:
+                    timer.cancel()
                 if not line:
-                    results[i] = {"ok": False, "error": err}
+                    if results[i] is None:
+                        results[i] = {"ok": False, "error": self._dead(w, "worker exited or timed out")}
                     return  # this worker is gone; the others take the rest
-                results[i] = json.loads(line)
+                try:
+                    results[i] = json.loads(line)
+                except ValueError:
+                    results[i] = {"ok": False, "error": f"worker answered {line[:200]!r}"}
+                    p.kill()
+                    return
 
-        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in self.procs]
+        threads = [threading.Thread(target=drive, args=(w,), daemon=True) for w in range(len(self.procs))]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        return [r if r is not None else {"ok": False, "error": "no live worker"} for r in results]
+        why = "; ".join(sorted({r for r in self.refused if r})) or "no live worker"
+        return [r if r is not None else {"ok": False, "error": why} for r in results]
 
     def close(self) -> None:
         import subprocess
@@ -189,21 +274,30 @@ class _Workers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for log in self.logs:
+            log.close()
+            try:
+                os.unlink(log.name)
+            except OSError:
+                pass
 
 
 def _serve() -> None:
-    """A worker's loop (``python -m memra.kernels.precompile``): tasks from stdin, results to stdout.
-    Library output meant for stdout goes to stderr, so that stdout carries only results."""
+    """A worker's loop (``python -m memra.kernels.precompile``): a hello line, then tasks from
+    stdin and results to stdout. Library output meant for stdout goes to stderr, so that stdout
+    carries only the protocol."""
     import json
     import sys
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     try:
-        os.nice(5)  # the parent's work (loading the weights) first
+        os.nice(5)  # the engine's own work first
     except OSError:
         pass
     _worker_init()
+    out.write(json.dumps({"memra": _memra_root()}) + "\n")
+    out.flush()
     for line in sys.stdin:
         t = json.loads(line)
         try:
@@ -215,8 +309,10 @@ def _serve() -> None:
 
 
 def start_workers(workers: int | None = None) -> int:
-    """Start (once) ``workers`` compile processes (default :func:`default_workers`), which import
-    Triton, torch and memra's kernels in the background. Returns their number. Cheap to call again."""
+    """Start (once) ``workers`` compile processes (default :func:`default_workers`); returns their
+    number. Cheap to call again.
+
+    Raises: OSError: the processes could not be started."""
     if _POOL[0] is None:
         n = workers or default_workers()
         _POOL[0], _POOL[1] = _Workers(n), n
@@ -224,26 +320,34 @@ def start_workers(workers: int | None = None) -> int:
 
 
 def stop_workers() -> None:
-    """Stop the compile processes (the engine calls it once its start-up is done)."""
+    """Stop the compile processes, if any (waits for them to exit)."""
     pool, _POOL[0], _POOL[1] = _POOL[0], None, 0
     if pool is not None:
         pool.close()
 
 
-def precompile(calls: Iterable[Callable[[], object]], device, workers: int | None = None) -> PrecompileReport:
-    """Record the not-yet-compiled Triton launches of ``calls`` (run in order, results dropped,
-    kernels skipped), compile them in worker processes and load them here.
+# ---------------------------------------------------------------------------------------
+# the three passes
+
+
+def precompile(calls: Iterable[Callable[[], object]], device, workers: int | None = None,
+               keep_workers: bool = False) -> PrecompileReport:
+    """Record the not-yet-compiled Triton launches of ``calls`` (run in order in this thread,
+    results dropped, kernels skipped), compile those missing from the disk cache in worker
+    processes, and load them all here.
 
     Args:
         calls: zero-argument callables doing GPU work whose results nothing reads.
         device: the CUDA device the calls run on (nothing is done for another device type).
-        workers: compile processes (>= 1) if no pool is running (default :func:`default_workers`).
+        workers: compile processes (>= 1) if none are running (default :func:`default_workers`).
+        keep_workers: leave the workers running for a next call (:func:`stop_workers` ends them);
+            by default they stop before this returns.
 
-    Returns: a :class:`PrecompileReport`.
+    Returns: a :class:`PrecompileReport`; a record pass that raised gives ``skipped`` with the error
+    (the calls' real run, after this, meets it again if it is one).
 
     Raises:
-        ValueError: ``workers`` < 1.
-        Any exception a call raises in the record pass (the hook is removed first).
+        ValueError: ``workers`` < 1, or ``MEMRA_PRECOMPILE`` holds neither an on nor an off value.
     """
     if workers is not None and workers < 1:
         raise ValueError(f"precompile: workers must be >= 1, got {workers}")
@@ -254,63 +358,127 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
 
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         return PrecompileReport(skipped=f"Triton {triton.__version__} has no jit_cache_hook")
+    if _RECORDER[0] is not None:
+        return PrecompileReport(skipped="another record pass is running")
     seen: dict[tuple[int, str], tuple[object, str, str]] = {}
     held = _take_compiled()  # (jit function, its kernel cache, the kernels taken out)
     compiled = {(id(jf), key) for jf, _, kernels in held for key in kernels}
+    me = threading.get_ident()
+    previous = knobs.runtime.jit_cache_hook
 
-    def record(*, key, fn, compile, **_):  # noqa: A002 - Triton's keyword
+    def record(*, key, fn, compile, **kw):  # noqa: A002 - Triton's keyword
+        if threading.get_ident() != me:  # another thread's launch: as usual
+            return previous(key=key, fn=fn, compile=compile, **kw) if previous is not None else None
         k = (id(fn.jit_function), str(key))
         if k not in compiled:
             seen.setdefault(k, (fn.jit_function, f"{fn.module}:{fn.name}", compile["specialization_data"]))
         return True  # skip: neither compile nor launch
 
     t0 = time.perf_counter()
-    previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = record
-    _RECORDING[0] = True
+    _RECORDER[0] = me
+    failure = None
     try:
         for call in calls:
             call()
+    except Exception as e:  # noqa: BLE001 - abandoned: the real run meets it again if it is the model's
+        failure = f"record pass raised {type(e).__name__}: {e}"[:2000]
     finally:
-        _RECORDING[0] = False
+        _RECORDER[0] = None
         knobs.runtime.jit_cache_hook = previous
         for _, cache, kernels in held:
             cache.update(kernels)
     t1 = time.perf_counter()
-    if not seen:
-        return PrecompileReport(record_s=t1 - t0, workers=_POOL[1])
+    functions: dict[str, int] = {}
+    for _, where, _ in seen.values():
+        functions[where] = functions.get(where, 0) + 1
+    if failure is not None:
+        if not keep_workers:
+            stop_workers()
+        return PrecompileReport(kernels=len(seen), record_s=t1 - t0, skipped=failure, functions=functions)
     from triton.runtime.driver import driver
 
     target = driver.active.get_current_target()
-    try:
-        n = start_workers(workers)
-        results = _POOL[0].map([dict(where=where, spec=spec, target=[target.backend, target.arch, target.warp_size])
-                                for _, where, spec in seen.values()])
-    except OSError as e:  # no processes allowed: all compiled below, here
-        n, results = 0, [{"ok": False, "error": repr(e)}] * len(seen)
-    failed = sum(not r["ok"] for r in results)
-    errors = sorted({r["error"] for r in results if not r["ok"]})
+    tgt = [target.backend, target.arch, target.warp_size]
+    missing = [(jf, where, spec) for jf, where, spec in seen.values() if not _on_disk(jf, spec, tgt)]
+    errors: set[str] = set()
+    n = failed = 0
+    if missing:
+        try:
+            n = start_workers(workers)
+            results = _POOL[0].map([dict(where=where, spec=spec, target=tgt) for _, where, spec in missing])
+        except OSError as e:  # no processes allowed: all compiled here, on first launch
+            results = [{"ok": False, "error": f"workers not started: {e!r}"}] * len(missing)
+        failed = sum(not r["ok"] for r in results)
+        errors.update(r["error"] for r in results if not r["ok"])
+    if not keep_workers:
+        stop_workers()
     t2 = time.perf_counter()
     hits = []
     listener = knobs.compilation.listener
 
-    def count(**kw):  # Triton's compile listener: was each preload a disk-cache hit?
+    def count(**kw):  # Triton's compile listener: was each load a disk-cache hit?
         hits.append(bool(kw.get("cache_hit")))
         if listener is not None:
             listener(**kw)
 
     knobs.compilation.listener = count
     try:
-        for jit_function, _, spec in seen.values():
-            jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+        for jit_function, where, spec in seen.values():
+            try:
+                jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
+            except Exception as e:  # noqa: BLE001 - left to its first launch, which reports a real error
+                errors.add(f"load of {where}: {type(e).__name__}: {e}"[:2000])
     finally:
         knobs.compilation.listener = listener
-    functions: dict[str, int] = {}
-    for _, where, _ in seen.values():
-        functions[where] = functions.get(where, 0) + 1
-    return PrecompileReport(kernels=len(seen), failed=failed, record_s=t1 - t0, compile_s=t2 - t1,
-                            load_s=time.perf_counter() - t2, workers=n, functions=functions, errors=errors,
-                            cache_hits=sum(hits))
+    return PrecompileReport(kernels=len(seen), on_disk=len(seen) - len(missing), failed=failed,
+                            cache_hits=sum(hits), record_s=t1 - t0, compile_s=t2 - t1,
+                            load_s=time.perf_counter() - t2, workers=n, functions=functions,
+                            errors=sorted(errors))
+
+
+def _decode(fn, spec: str, target) -> tuple[object, object, object]:
+    """(ASTSource, parsed options, GPUTarget) of a recorded specialization, read as
+    ``JITFunction.preload`` reads it (Triton 3.6's jit-hook JSON)."""
+    import json
+
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    d = json.loads(spec)
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in d["signature"].items()}
+    gpu = GPUTarget(*target)
+    options = make_backend(gpu).parse_options({k: tuple(v) if isinstance(v, list) else v
+                                               for k, v in d["options"].items()})
+    return ASTSource(fn, signature, constexprs, attrs), options, gpu
+
+
+def _on_disk(fn, spec: str, target) -> bool:
+    """Whether ``triton.compile`` would find this specialization in the disk cache (the same key
+    and lookup as its own; False when that cannot be told)."""
+    try:
+        import hashlib
+
+        from triton import knobs
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+
+        src, options, gpu = _decode(fn, spec, target)
+        backend = make_backend(gpu)
+        options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+        key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+        name = f"{src.name[:150]}.json"
+        group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {}
+        return not knobs.compilation.always_compile and group.get(name) is not None
+    except Exception:  # noqa: BLE001 - unknown: let a worker compile it
+        return False
 
 
 def compile_specialization(where: str, spec: str, target: tuple) -> float:
@@ -329,13 +497,8 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         Whatever Triton's compiler raises.
     """
     import importlib
-    import json
 
     import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
     from triton.runtime.jit import JITFunction
 
     t0 = time.perf_counter()
@@ -347,16 +510,7 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
     if fn is None:
         raise LookupError(f"precompile: no Triton JIT function at {where}")
-    d = json.loads(spec)
-    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
-                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
-                  for k, v in zip(d["constant_keys"], d["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
-    signature = {k: _tuples(v) for k, v in d["signature"].items()}
-    gpu = GPUTarget(*target)
-    backend = make_backend(gpu)
-    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
-    src = ASTSource(fn, signature, constexprs, attrs)
+    src, options, gpu = _decode(fn, spec, target)
     kernel = triton.compile(src, target=gpu, options=options.__dict__)
     if gpu.backend == "cuda":  # the launcher stub (a C module, cached by its source): built at first launch otherwise
         from triton.backends.nvidia.driver import CudaLauncher
@@ -373,23 +527,21 @@ def _tuples(v):
 
 
 def _take_compiled() -> list[tuple[object, dict, dict]]:
-    """Empty the in-memory kernel caches of every Triton JITFunction in memra's kernel modules
-    imported so far; returns (function, cache, what it held) to put back."""
-    import sys
+    """Empty the in-memory kernel caches of every Triton JITFunction in the process (memra's and
+    any other library's: an already compiled kernel would launch on the record pass's garbage);
+    returns (function, cache, what it held) to put back."""
+    import gc
 
     from triton.runtime.jit import JITFunction
 
     out = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith("memra."):
-            continue
-        for obj in list(vars(mod).values()):
-            if isinstance(obj, JITFunction):
-                for caches in obj.device_caches.values():
-                    cache = caches[0]
-                    if cache:
-                        out.append((obj, cache, dict(cache)))
-                        cache.clear()
+    for obj in gc.get_objects():
+        if isinstance(obj, JITFunction):
+            for caches in obj.device_caches.values():
+                cache = caches[0]
+                if cache:
+                    out.append((obj, cache, dict(cache)))
+                    cache.clear()
     return out
 
 
