@@ -62,3 +62,11 @@ def compile_here(square: bool) -> list[bool]:
     kernel = triton.compile(src, target=target, options=options)
     assert kernel.metadata.target.arch == 90
     return hits
+
+
+def on_disk(square: bool) -> bool:
+    """memra's own check: would ``triton.compile`` find ``spec(square)`` in the disk cache?"""
+    from memra.kernels.precompile import _on_disk
+
+    target, data, _, _ = spec(square)
+    return _on_disk(_axpb_kernel, data, [target.backend, target.arch, target.warp_size])

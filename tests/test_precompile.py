@@ -62,6 +62,9 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
     # this process may hold interpreter-mode Triton (TRITON_INTERPRET=1 set by other test modules
     # at import): "this process" is played by a fresh one
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # memra's own disk check agrees with Triton's, both ways
+        assert pool.submit(_on_disk, True).result(timeout=600) is True
+        assert pool.submit(_on_disk, False).result(timeout=600) is False
         assert pool.submit(_compile_here, True).result(timeout=600) == [True]
         assert pool.submit(_compile_here, False).result(timeout=600) == [False]  # (the check can fail)
 
@@ -70,6 +73,27 @@ def _task(square: bool) -> dict:  # (run in a fresh process: see precompile_kern
     from precompile_kernels import task
 
     return task(square)
+
+
+def _on_disk(square: bool) -> bool:
+    from precompile_kernels import on_disk
+
+    return on_disk(square)
+
+
+def test_a_hung_worker_is_killed_and_its_task_reported(monkeypatch):
+    """A task past the timeout kills its worker; the task comes back failed, naming the timeout,
+    and the pool still stops cleanly."""
+    from memra.kernels import precompile as mod
+
+    stop_workers()
+    try:
+        start_workers(1)
+        (r,) = mod._POOL[0].map([dict(where="precompile_sleepy:nothing", spec="{}", target=["cuda", 90, 32])],
+                                timeout=3.0)
+    finally:
+        stop_workers()
+    assert not r["ok"] and "worker exited or timed out" in r["error"], r
 
 
 def _compile_here(square: bool) -> list[bool]:

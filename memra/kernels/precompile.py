@@ -196,7 +196,7 @@ class _Workers:
 
     def map(self, tasks: list[dict], timeout: float = TASK_TIMEOUT_S) -> list[dict]:
         """Run ``tasks`` on the workers (each worker takes the next task when done); results in
-        task order. A task whose worker died, hung past ``timeout`` seconds (it is killed) or
+        task order. A task whose worker died, took more than ``timeout`` seconds (it is killed) or
         answered garbage gets ``{"ok": False, "error": ...}``; that worker takes no more tasks."""
         import json
         import queue
@@ -208,8 +208,8 @@ class _Workers:
 
         def drive(w: int) -> None:
             p = self.procs[w]
-            if not self.greeted[w]:  # the hello line, once
-                timer = threading.Timer(timeout, p.kill)
+            if not self.greeted[w]:  # the hello line, once (its imports may take a while on a busy machine)
+                timer = threading.Timer(max(timeout, TASK_TIMEOUT_S), p.kill)
                 timer.start()
                 try:
                     hello = p.stdout.readline()
