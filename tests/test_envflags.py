@@ -1,8 +1,8 @@
-"""memra.envflags: one strict reading of on/off environment switches."""
+"""memra.kernels.envflags: one strict reading of on/off environment switches."""
 
 import pytest
 
-from memra.envflags import env_flag
+from memra.kernels.envflags import env_flag
 
 
 @pytest.mark.parametrize("default", [False, True])

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from ..envflags import env_flag
+from .envflags import env_flag
 from .pdl import pdl_args
 
 __all__ = ["batch_invariant", "set_batch_invariant", "invariant_matmul", "invariant_matmul_ref",
@@ -68,7 +68,7 @@ def set_batch_invariant(enabled: bool | None) -> None:
 
 def batch_invariant() -> bool:
     """True when batch-invariant mode is on (:func:`set_batch_invariant`, else
-    ``MEMRA_BATCH_INVARIANT`` in the environment, off by default: :mod:`memra.envflags`).
+    ``MEMRA_BATCH_INVARIANT`` in the environment, off by default: :mod:`memra.kernels.envflags`).
 
     Raises: ValueError: the variable holds a value that is neither on nor off."""
     if _OVERRIDE[0] is not None:

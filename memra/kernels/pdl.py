@@ -22,7 +22,8 @@ H100): 0.55 µs less per kernel with the wait alone, 0.68 µs with the early tri
 (benchmarks/results/issue14/pdl-probe-7436181-h100.json).
 
 :func:`pdl_args` is what a launch site passes: ``kernel[grid](..., **pdl_args(device))``.
-``MEMRA_PDL=0`` (or ``off``: :mod:`memra.envflags`) in the environment, or :func:`set_pdl` (False), turns it off (A/B benchmarks:
+``MEMRA_PDL=0`` (or ``off``: :mod:`memra.kernels.envflags`) in the environment, or :func:`set_pdl`
+(False), turns it off (A/B benchmarks:
 ``memra bench decode --pdl off``).
 """
 
@@ -32,7 +33,7 @@ import os
 
 import torch
 
-from ..envflags import env_flag
+from .envflags import env_flag
 
 __all__ = ["pdl_args", "pdl_enabled", "set_pdl"]
 

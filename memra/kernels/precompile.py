@@ -87,14 +87,14 @@ class PrecompileReport:
 
 def precompile_enabled(device) -> bool:
     """True for a CUDA device, outside the interpreter, with ``MEMRA_PRECOMPILE=1`` (off by
-    default until the whole GPU suite has run with it on: :mod:`memra.envflags` reads the value).
+    default until the whole GPU suite has run with it on: :mod:`memra.kernels.envflags` reads the value).
 
     Raises: ValueError: the variable holds a value that is neither on nor off."""
     import torch
 
     if torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    from ..envflags import env_flag
+    from .envflags import env_flag
 
     return env_flag("MEMRA_PRECOMPILE", False)
 
@@ -129,9 +129,7 @@ def _worker_init() -> None:
     import torch  # noqa: F401
     import triton.compiler.compiler  # noqa: F401
 
-    from memra import kernels
-
-    for m in pkgutil.iter_modules(kernels.__path__, "memra.kernels."):
+    for m in pkgutil.iter_modules([os.path.dirname(os.path.abspath(__file__))], "memra.kernels."):
         try:
             importlib.import_module(m.name)
         except Exception:  # noqa: BLE001, S112
@@ -139,9 +137,8 @@ def _worker_init() -> None:
 
 
 def _memra_root() -> str:
-    import memra
-
-    return os.path.dirname(os.path.abspath(memra.__file__))
+    # the memra package directory this module belongs to (memra/kernels/precompile.py)
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Workers:
