@@ -350,3 +350,16 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
     else:  # the prefill GEMMs' combine may add in another order (fp32 atomics)
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_describe_sums_the_passes_and_names_an_abandoned_one():
+    from memra.kernels.precompile import describe
+
+    a = PrecompileReport(kernels=13, on_disk=1, failed=0, compile_s=2.0, load_s=0.5, workers=16)
+    b = PrecompileReport(kernels=31, on_disk=0, failed=2, compile_s=3.0, load_s=1.0, workers=8)
+    assert describe([a, None, b]) == ("; Triton kernels precompiled at start: 44 (1 on disk already) in 6.5 s on "
+                                      "16 processes, 2 left to their first launch")
+    off = PrecompileReport(skipped="not a CUDA device, interpreter, or MEMRA_PRECOMPILE off")
+    assert describe([off, None]) == ""
+    boom = PrecompileReport(kernels=3, skipped="record pass raised RuntimeError: boom")
+    assert describe([a, boom]).endswith("; Triton precompile abandoned: record pass raised RuntimeError: boom")

@@ -346,20 +346,9 @@ class LLMEngine:
         self.graphs = graphs
         if graphs is not None:
             self.precompile_reports.append(graphs.precompile)
-        done = [r for r in self.precompile_reports if r is not None and r.skipped is None]
-        if done:
-            self.memory_report += (f"; Triton kernels precompiled at start: {sum(r.kernels for r in done)} "
-                                   f"({sum(r.on_disk for r in done)} on disk already) in "
-                                   f"{sum(r.compile_s + r.load_s for r in done):.1f} s on "
-                                   f"{max(r.workers for r in done)} processes"
-                                   + (f", {sum(r.failed for r in done)} left to their first launch"
-                                      if any(r.failed for r in done) else ""))
-        abandoned = [r.skipped for r in self.precompile_reports
-                     if r is not None and (r.skipped or "").startswith("record pass raised")]
-        if abandoned:
-            self.memory_report += f"; Triton precompile abandoned: {abandoned[0]}"
-        from ..kernels.precompile import stop_workers
+        from ..kernels.precompile import describe, stop_workers
 
+        self.memory_report += describe(self.precompile_reports)
         stop_workers()
         self.runner = ModelRunner(model, self.cache, graphs)
         self.proposer = None

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .pdl import pdl_args
+from .precompile import recording
 
 __all__ = ["swiglu", "swiglu_ref", "swiglu_torch", "router_topk", "router_topk_ref", "kv_write", "kv_write_ref"]
 
@@ -109,8 +110,6 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling
     weight = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     if t == 0:
         return index, weight
-    from .precompile import recording
-
     if recording():  # the launch below is skipped: torch paths downstream index with these ids
         index.zero_()
     block = _np2(e)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "default_workers", "precompile",
+__all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "default_workers", "describe", "precompile",
            "precompile_enabled", "recording", "start_workers", "stop_workers"]
 
 #: seconds a worker may spend on one specialization before it is killed (the kernel then compiles
@@ -54,6 +54,7 @@ __all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "defa
 TASK_TIMEOUT_S = 300.0
 
 _RECORDER: list[int | None] = [None]  # the thread id of the record pass in progress
+_ABANDONED = "record pass raised "  # how a report's ``skipped`` starts when the record pass raised
 _POOL: list = [None, 0]  # the workers and their number
 
 
@@ -113,6 +114,24 @@ def default_workers() -> int:
     except AttributeError:  # pragma: no cover - not Linux
         n = os.cpu_count() or 1
     return max(1, min(16, n))
+
+
+def describe(reports: Iterable[PrecompileReport | None]) -> str:
+    """One clause for an engine's start-up report: what the passes that ran precompiled, and the
+    first record pass abandoned (``""`` when none ran and none was abandoned)."""
+    reports = [r for r in reports if r is not None]
+    done = [r for r in reports if r.skipped is None]
+    out = ""
+    if done:
+        out += (f"; Triton kernels precompiled at start: {sum(r.kernels for r in done)} "
+                f"({sum(r.on_disk for r in done)} on disk already) in "
+                f"{sum(r.compile_s + r.load_s for r in done):.1f} s on {max(r.workers for r in done)} processes"
+                + (f", {sum(r.failed for r in done)} left to their first launch" if any(r.failed for r in done)
+                   else ""))
+    abandoned = [r.skipped for r in reports if r.skipped and r.skipped.startswith(_ABANDONED)]
+    if abandoned:
+        out += f"; Triton precompile abandoned: {abandoned[0]}"
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -379,7 +398,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         for call in calls:
             call()
     except Exception as e:  # noqa: BLE001 - abandoned: the real run meets it again if it is the model's
-        failure = f"record pass raised {type(e).__name__}: {e}"[:2000]
+        failure = f"{_ABANDONED}{type(e).__name__}: {e}"[:2000]
     finally:
         _RECORDER[0] = None
         knobs.runtime.jit_cache_hook = previous
