@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,6 +82,7 @@ from ..quant.dequant import NVFP4_KVALUES, ue4m3_half_table
 from ..quant.fp8 import FP8BlockTensor
 from ..quant.tensor import QTensor
 from ..quant.types import QType
+from .envflags import triton_interpreted
 from .pdl import pdl_args
 
 __all__ = [
@@ -525,5 +525,6 @@ def config_to_json(cfg: GemvConfig) -> dict:
 
 
 def interpret_mode() -> bool:
-    """True when Triton runs through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs through its CPU interpreter (``TRITON_INTERPRET=1``; Triton's own
+    reading of the variable: :func:`memra.kernels.envflags.triton_interpreted`)."""
+    return triton_interpreted()

@@ -29,11 +29,9 @@ H100): 0.55 µs less per kernel with the wait alone, 0.68 µs with the early tri
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .envflags import env_flag
+from .envflags import env_flag, triton_interpreted
 
 __all__ = ["pdl_args", "pdl_enabled", "set_pdl"]
 
@@ -51,7 +49,7 @@ def pdl_enabled(device: torch.device | str) -> bool:
     """True when kernels launched on ``device`` use PDL: a CUDA device of compute capability
     >= 9.0, not under Triton's CPU interpreter (``TRITON_INTERPRET=1``), and not turned off."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device.type != "cuda" or triton_interpreted():
         return False
     on = _OVERRIDE[0]
     if on is None:

@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from .envflags import env_flag, triton_interpreted
+
 __all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "default_workers", "describe", "precompile",
            "precompile_enabled", "recording", "start_workers", "stop_workers"]
 
@@ -93,10 +95,8 @@ def precompile_enabled(device) -> bool:
     Raises: ValueError: the variable holds a value that is neither on nor off."""
     import torch
 
-    if torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if torch.device(device).type != "cuda" or triton_interpreted():
         return False
-    from .envflags import env_flag
-
     return env_flag("MEMRA_PRECOMPILE", False)
 
 
