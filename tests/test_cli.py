@@ -189,4 +189,5 @@ def test_convert_synth_cut_and_bench_file_smoke(tmp_path):
     assert len(m["ttft_s"]) == 3 and all(t > 0 for t in m["ttft_s"]) and m["decode_tok_s"] > 0
     assert 0 < m["weights_s"] < m["ready_s"] and res["ceilings"]["file_bytes"] == out.stat().st_size
     assert "TTFT first / second request" in r.stdout
+    assert m["startup_s"]["weights"] > 0 and "start-up phases, warm start: import" in r.stdout
     assert "nan" not in r.stdout and "n/a" in r.stdout  # no copy-bandwidth ceiling on the CPU: said, not nan

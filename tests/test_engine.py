@@ -255,6 +255,16 @@ def test_abort_frees_blocks_and_queues(gemma_tiny):
     assert not eng.scheduler.running and not eng.scheduler.waiting
 
 
+def test_startup_phases_are_timed_and_summarised(gemma_tiny):
+    """The engine times its start-up phases (weights, ..., other) and the summary line adds up to
+    the whole start-up (``load_seconds``)."""
+    eng = make_engine(gemma_tiny, block_size=4, max_model_len=64)
+    ph = eng.startup_seconds
+    assert list(ph)[0] == "weights" and list(ph)[-1] == "other" and all(v >= 0 for v in ph.values())
+    assert sum(ph.values()) == pytest.approx(eng.load_seconds, abs=1e-6)
+    assert f"start-up: {eng.load_seconds:.1f} s" in eng.kv_cache_summary()
+
+
 def test_n_completions_share_the_prompt_and_differ(gemma_tiny):
     eng = make_engine(gemma_tiny, block_size=4, kv_cache_blocks=64, max_model_len=64)
     eng.add_request("x", list(range(3, 20)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8,

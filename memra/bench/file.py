@@ -141,6 +141,7 @@ def _child(a: argparse.Namespace) -> None:
     print(json.dumps({
         "import_s": t_import - t_start, "weights_s": loads[0] if loads else None,
         "ready_s": t_ready - t_start, "engine_init_s": llm.engine.load_seconds,
+        "startup_s": llm.engine.startup_seconds,
         "memory": llm.engine.memory_report, "ttft_s": ttft, "tpot_s": tpot, "decode_tok_s": 1.0 / tpot,
         "decode_floor_bytes": floor, "graph_steps": llm.engine.runner.num_graph_steps,
     }), flush=True)
@@ -276,6 +277,9 @@ def run_from_args(a: argparse.Namespace) -> int:
     print(f"second start{' (Triton cache warm)' if cuda else ''}: ready {w['ready_s']:.1f} s (weights {w['weights_s']:.1f} s), TTFT "
           f"{1e3 * w['ttft_s'][0]:.1f} / {1e3 * w['ttft_s'][1]:.1f} ms, decode {w['decode_tok_s']:.1f} tok/s"
           + (f"; ready / llama.cpp's: {w['ready_s'] / lc['load_wall_s']:.2f}x" if lc and "load_wall_s" in lc else ""))
+    for name, r in (("cold", m), ("warm", w)):
+        print(f"start-up phases, {name} start: import {r['import_s']:.1f} s, "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in r.get("startup_s", {}).items()))
     res["table"]["memra_warm_start"] = {"ready_s": w["ready_s"], "weights_s": w["weights_s"],
                                         "decode_tok_s": w["decode_tok_s"], "ttft_s": w["ttft_s"]}
     if a.json_out:

@@ -283,6 +283,9 @@ class LLMEngine:
             self.model_name = str(cfg.model)
             if load_device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
+        #: seconds of each start-up phase, in order (``kv_cache_summary`` prints them)
+        self.startup_seconds: dict[str, float] = {}
+        self._phase_t = t0
         if cfg.parallel:  # rank 0 of a TP / EP run (memra/engine/tensor_parallel.py): shard, start the workers
             from .tensor_parallel import start
 
@@ -292,6 +295,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         model.quantize_attention(cfg.attention_weights)
+        self._phase("weights")  # (read, repacked, sharded for a parallel run, attention quantized)
         self.eos_ids = sorted(set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         ctx = self.config.max_position_embeddings
         if cfg.max_model_len is not None and not (1 <= cfg.max_model_len <= ctx):
@@ -303,11 +307,13 @@ class LLMEngine:
         if cfg.speculative_method == "draft":  # loaded first: on a GPU the KV budget counts its weights
             draft, _, draft_tok = _load(cfg.speculative_model, dtype, device, progress)
             _check_same_vocab(tokenizer, draft_tok, cfg.speculative_model)
+            self._phase("draft model")
         memory = cfg.kv_cache_memory
         self.memory_report = ""
         self.precompile_reports = []  # memra.kernels.precompile: Triton kernels compiled in parallel at start
         if cfg.kv_cache_blocks is None and memory is None:
             memory = DEFAULT_KV_CACHE_MEMORY if device.type == "cpu" else self._gpu_kv_budget(groups, device)
+            self._phase("KV-cache profile")
         if memory is not None and cfg.speculative_method in ("draft", "mtp"):
             # the proposer's own KV cache comes out of the same budget
             from .speculative import proposer_cache_share
@@ -340,6 +346,7 @@ class LLMEngine:
             graphs = CudaGraphRunner(model, self.cache, rows, -(-self.max_model_len // cfg.block_size),
                                      scratch_blocks=blocks)
             graphs.capture()
+            self._phase("CUDA graphs")
             self.memory_report += (f"; CUDA graphs: {len(graphs.buckets)} batch sizes ({graphs.buckets[0]}.."
                                    f"{graphs.buckets[-1]}) in {graphs.capture_seconds:.1f} s, "
                                    f"{graphs.pool_bytes / 2**20:.0f} MiB")
@@ -365,13 +372,21 @@ class LLMEngine:
             if g is not None and device.type == "cuda":
                 self.memory_report += (f"; MTP drafting graphs: {len(g.graphs)} ({cfg.num_speculative_tokens} layers x "
                                        f"{g.buckets[0]}..{g.buckets[-1]} requests) in {g.capture_seconds:.1f} s")
+            self._phase("proposer")
         self.spec_drafted = [0] * cfg.num_speculative_tokens  # per draft position: proposed, accepted
         self.spec_accepted = [0] * cfg.num_speculative_tokens
         self._parents: dict[str, _Parent] = {}
         self._num_prompt_tokens = self._num_prompt_computed = self._num_generated = self._num_steps = 0
         self._num_aborted = 0
         self._failures: list[tuple[str, Exception]] = []
-        self.load_seconds = time.perf_counter() - t0
+        self._phase("other")
+        self.load_seconds = self._phase_t - t0
+
+    def _phase(self, name: str) -> None:
+        """Closes the start-up phase ``name``: the seconds since the last one ended."""
+        now = time.perf_counter()
+        self.startup_seconds[name] = self.startup_seconds.get(name, 0.0) + now - self._phase_t
+        self._phase_t = now
 
     def close(self) -> None:
         """Stops the worker ranks of a parallel run; on a GPU also releases the KV cache, the CUDA
@@ -708,6 +723,8 @@ class LLMEngine:
                 f"step (longer prompts are prefilled in chunks of that size)"
                 + (f"; tensor parallel {cfg.tensor_parallel_size}" + (" + expert parallel" if cfg.enable_expert_parallel
                                                                       else "") if cfg.parallel else ""))
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_seconds.items() if k != "other" and v >= 0.05)
+        line += f"\nstart-up: {self.load_seconds:.1f} s" + (f" ({phases})" if phases else "")
         return line + (f"\n{self.memory_report.lstrip('; ')}" if self.memory_report else "")
 
     def stats(self) -> EngineStats:
