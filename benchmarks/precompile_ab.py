@@ -87,6 +87,7 @@ def child(path: str, prompt: int, out: str) -> None:
     with open(out, "w") as f:
         json.dump(dict(process_s=time.time() - t_start, ready_s=ready, children_after_ready=kids, tokens=tokens, ttft_s=ttft,
                        decode_tok_s=64 / (full - one), memory=llm.engine.memory_report, reports=reports,
+                       startup_s=llm.engine.startup_seconds,
                        kernels=kernels, cache=cache), f)
 
 
@@ -98,6 +99,7 @@ def compare(a: dict, b: dict) -> tuple[list[str], bool]:
                         ("decode, tok/s", a["decode_tok_s"], b["decode_tok_s"])):
         lines.append(f"{label:<34} {x:>10.1f} {y:>10.1f} {y / x:>7.2f}")
     for tag, x in (("off", a), ("on", b)):
+        lines.append(f"{tag}: start-up phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in x["startup_s"].items()))
         if x.get("children_after_ready"):
             lines.append(f"{tag}: processes still alive after ready: {x['children_after_ready']}")
     same = a["tokens"] == b["tokens"]
