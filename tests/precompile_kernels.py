@@ -70,3 +70,17 @@ def on_disk(square: bool) -> bool:
 
     target, data, _, _ = spec(square)
     return _on_disk(_axpb_kernel, data, [target.backend, target.arch, target.warp_size])
+
+
+def moe_keys(first: str, settle: bool) -> dict[str, str]:
+    """The Triton cache keys of the MoE decode kernels in a process that hashed ``first`` before
+    the others (as an engine launching it first does), then (``settle``) ran memra's
+    :func:`~memra.kernels.precompile.settle_cache_keys`."""
+    import memra.kernels._moe_triton as m
+    from memra.kernels.precompile import settle_cache_keys
+
+    names = ("_moe_gate_up_kernel", "_moe_down_kernel")
+    getattr(m, first).cache_key
+    if settle:
+        settle_cache_keys()
+    return {n: getattr(m, n).cache_key for n in names}

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from .envflags import env_flag, triton_interpreted
 
 __all__ = ["PrecompileReport", "TASK_TIMEOUT_S", "compile_specialization", "default_workers", "describe", "precompile",
-           "precompile_enabled", "recording", "start_workers", "stop_workers"]
+           "precompile_enabled", "recording", "settle_cache_keys", "start_workers", "stop_workers"]
 
 #: seconds a worker may spend on one specialization before it is killed (the kernel then compiles
 #: in the engine's process, on first launch)
@@ -58,6 +58,7 @@ TASK_TIMEOUT_S = 300.0
 _RECORDER: list[int | None] = [None]  # the thread id of the record pass in progress
 _ABANDONED = "record pass raised "  # how a report's ``skipped`` starts when the record pass raised
 _POOL: list = [None, 0]  # the workers and their number
+_SETTLED: set[str] = set()  # the kernel modules settle_cache_keys has seen
 
 
 def recording() -> bool:
@@ -153,6 +154,7 @@ def _worker_init() -> None:
             importlib.import_module(m.name)
         except Exception:  # noqa: BLE001, S112
             continue
+    settle_cache_keys()
 
 
 def _memra_root() -> str:
@@ -416,6 +418,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
 
     target = driver.active.get_current_target()
     tgt = [target.backend, target.arch, target.warp_size]
+    settle_cache_keys()  # the workers' keys, whatever this process hashed first
     missing = [(jf, where, spec) for jf, where, spec in seen.values() if not _on_disk(jf, spec, tgt)]
     errors: set[str] = set()
     n = failed = 0
@@ -526,6 +529,8 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
     if fn is None:
         raise LookupError(f"precompile: no Triton JIT function at {where}")
+    if module not in _SETTLED:  # imported by this call (its import failed in _worker_init)
+        settle_cache_keys()
     src, options, gpu = _decode(fn, spec, target)
     kernel = triton.compile(src, target=gpu, options=options.__dict__)
     if gpu.backend == "cuda":  # the launcher stub (a C module, cached by its source): built at first launch otherwise
@@ -536,6 +541,49 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         except Exception:  # noqa: BLE001 - no libcuda here (a machine without a GPU): left to the first launch
             pass
     return time.perf_counter() - t0
+
+
+def settle_cache_keys() -> int:
+    """Make the Triton cache key of every JIT function in memra's imported kernel modules
+    independent of the order in which this process first computed them; returns how many passes
+    that took.
+
+    Triton 3.6's ``JITCallable.cache_key`` merges a called helper's ``used_global_vals`` into the
+    caller's before it computes the helper's own key (``DependenciesFinder._update_hash``), so a
+    kernel whose helper was not hashed yet misses the helper's global constexprs (``_F8_TOP`` of
+    the GEMV helpers, say) and gets another key than in a process where the helper came first.
+    The engine and the precompile workers hash kernels in different orders: their keys differed
+    and the engine missed the workers' disk-cache entries (the MoE decode kernels, found on the
+    H100). Fixed upstream (triton-lang/triton#10494, later than 3.6). Here every key is
+    recomputed, helpers' merged globals included, until no key changes: the result depends only
+    on each kernel's call graph. The engine calls this before the compile pass, each worker after
+    importing the kernel modules.
+
+    Raises: RuntimeError: no fixed point after 16 passes (a call chain that deep).
+    """
+    import sys
+
+    from triton.runtime.jit import JITCallable
+
+    fns: dict[int, JITCallable] = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(__package__ + "."):
+            continue
+        for obj in list(vars(mod).values()):
+            while obj is not None and not isinstance(obj, JITCallable) and hasattr(obj, "fn"):
+                obj = obj.fn  # an autotuner / heuristics wrapper
+            if isinstance(obj, JITCallable):
+                fns[id(obj)] = obj
+        _SETTLED.add(name)
+    before = None
+    for n in range(1, 17):
+        for f in fns.values():
+            f.hash = None
+        keys = {i: f.cache_key for i, f in fns.items()}
+        if keys == before:
+            return n
+        before = keys
+    raise RuntimeError("settle_cache_keys: Triton cache keys did not settle in 16 passes")
 
 
 def _tuples(v):
