@@ -80,7 +80,7 @@ def moe_keys(first: str, settle: bool) -> dict[str, str]:
     from memra.kernels.precompile import settle_cache_keys
 
     names = ("_moe_gate_up_kernel", "_moe_down_kernel")
-    getattr(m, first).cache_key
+    _ = getattr(m, first).cache_key  # hashed first (Triton keeps the key)
     if settle:
         settle_cache_keys()
     return {n: getattr(m, n).cache_key for n in names}
