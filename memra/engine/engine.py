@@ -423,6 +423,7 @@ class LLMEngine:
                 self.model.logits(hidden[-1:])
             return cache, kv, hidden
 
+        weights = torch.cuda.memory_allocated(device)  # before a step allocates its persistent workspaces
         if self.parallel is None:  # (a TP / EP rank 0 must not feed the workers' collectives garbage)
             from ..kernels.precompile import precompile
 
@@ -442,7 +443,8 @@ class LLMEngine:
         graph_margin = 0 if cfg.enforce_eager else 512 << 20
         budget = int(cfg.gpu_memory_utilization * total) - used - activations - graph_margin
         self.memory_report = (f"GPU memory: {total / 2**30:.1f} GiB total, {used / 2**30:.2f} GiB in use after "
-                              f"loading (weights {base / 2**30:.2f} GiB), {activations / 2**30:.2f} GiB peak "
+                              f"loading (weights {weights / 2**30:.2f} GiB, persistent workspaces "
+                              f"{(base - weights) / 2**30:.2f} GiB), {activations / 2**30:.2f} GiB peak "
                               f"activations for a {t}-token step, {graph_margin >> 20} MiB kept for CUDA graphs; "
                               f"KV budget at gpu_memory_utilization={cfg.gpu_memory_utilization}: "
                               f"{max(budget, 0) / 2**30:.2f} GiB")
