@@ -5,7 +5,7 @@
 #                ~50 s): cold starts with MEMRA_PRECOMPILE=0 and =1, greedy tokens, TTFT, decode,
 #                per-kernel prefill time, kernel binaries, and a second plain start as control.
 #   stage tests: tests/test_precompile.py's GPU tests.
-#   stage suite: the whole `-m gpu` suite with MEMRA_PRECOMPILE=1 (benchmarks/h200-gpu-tests.sh;
+#   stage suite: the whole `-m gpu` suite with MEMRA_PRECOMPILE=1 (benchmarks/h200-gpu-tests.sh, SHARD=i/n passed on;
 #                needs smollm2's GGUF parts sent ahead, see that script).
 #   stage file:  `memra bench file` on the same GGUF with MEMRA_PRECOMPILE=1 (cold and warm start),
 #                llama.cpp too when /tmp/llama/build/bin/llama-bench exists (h200-file-bench.sh builds it).
@@ -32,7 +32,7 @@ case "${1:-}" in
     ;;
   suite)
     MEMRA_PRECOMPILE=1 timeout 580 bash benchmarks/h200-gpu-tests.sh 2>&1 | tail -30
-    cp "$OUT/gpu-tests.log" "$OUT/gpu-tests-precompile-on-$C.log" 2>/dev/null
+    for f in "$OUT"/gpu-tests*.log; do cp "$f" "${f%.log}-precompile-on-$C.log" 2>/dev/null; done
     ;;
   file)
     gguf
