@@ -367,6 +367,7 @@ def test_every_listed_pre_tokenizer_builds(pre):
     ({"tokenizer.ggml.merges": ["h e", "l o"]}, r"merges\[1\] = .l o.: .lo. is not a token"),  # the join
     ({"tokenizer.ggml.merges": ["h e", "a b c"]}, r"merges\[1\] = .a b c. is not two tokens"),
     ({"tokenizer.ggml.merges": ["h e", 7]}, r"merges\[1\] = 7 is not two tokens"),
+    ({"tokenizer.ggml.merges": ["h e", b"h e"]}, r"merges\[1\] = b.h e. is not two tokens"),
     ({"tokenizer.ggml.bos_token_id": 10**6}, "bos_token_id.*outside"),
     ({"tokenizer.ggml.add_bos_token": True}, "no tokenizer.ggml.bos_token_id"),
     ({"tokenizer.ggml.tokens": []}, "non-empty list"),

@@ -370,16 +370,19 @@ class Tokenizer:
             # loads ~0.2 s sooner than with the check on every start)
             try:
                 merges = [(a, b) for a, b in (m.split(" ") for m in raw_merges)]
-            except (AttributeError, ValueError):
+            except (AttributeError, TypeError, ValueError):  # a non-str merge (bytes: TypeError), not 2 parts
                 merges = None
             if merges is None:
                 _check_merges(raw_merges, vocab)
+            refusal = None
             try:
                 bpe = BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                           ignore_merges=ignore_merges)
             except Exception as e:
-                _check_merges(raw_merges, vocab)
-                raise TokenizerError(f"GGUF BPE vocabulary/merges rejected by tokenizers: {e}") from None
+                refusal = e
+            if refusal is not None:
+                _check_merges(raw_merges, vocab)  # a merge's fault: named (outside the except: no chained traceback)
+                raise TokenizerError(f"GGUF BPE vocabulary/merges rejected by tokenizers: {refusal}")
             backend = _HFTokenizer(bpe)
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
