@@ -133,6 +133,9 @@ _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4"
             12: "<f8"}
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Little-endian reader over the file's bytes; raises EOFError past the end."""
 
@@ -153,13 +156,13 @@ class _Cursor:
         return int.from_bytes(self.take(8), "little")
 
     def string(self) -> str:
-        return str(self.take(self.u64()), "utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, n: int) -> list[str]:
-        """``n`` strings in a row (a vocabulary's tokens and merges: ~258k in a 128k-vocab file),
-        as :meth:`string` reads each, in one loop without its per-call overhead."""
+        """``n`` strings in a row (u64 length, then UTF-8 bytes; invalid bytes replaced), in one
+        loop: a vocabulary's tokens and merges are ~258k strings in a 128k-vocab file."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
-        unpack = struct.Struct("<Q").unpack_from
+        unpack = _U64.unpack_from
         out = []
         append = out.append
         for _ in range(n):
