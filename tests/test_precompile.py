@@ -30,7 +30,10 @@ def test_cpu_does_nothing_and_bad_workers_are_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not precompile_enabled("cuda")
     monkeypatch.delenv("MEMRA_PRECOMPILE")
-    assert not precompile_enabled("cuda")  # off by default, for now
+    assert precompile_enabled("cuda")  # on by default
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not precompile_enabled("cuda")  # nothing to compile under the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("MEMRA_PRECOMPILE", "maybe")
     with pytest.raises(ValueError, match="MEMRA_PRECOMPILE='maybe': expected one of"):
         precompile_enabled("cuda")
@@ -56,6 +59,7 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
         bad = dict(task, where="precompile_kernels:_no_such_kernel")
         ok, missing = mod._POOL[0].map([task, bad])
         assert ok["ok"] and ok["seconds"] > 0, ok
+        assert 0 < mod._POOL[0].ready_s < 600  # the hello came, after the worker's imports
         assert not missing["ok"] and "LookupError: precompile: no Triton JIT function" in missing["error"], missing
     finally:
         stop_workers()
@@ -381,10 +385,14 @@ def test_moe_layer_past_the_triton_align_width_survives_the_record_pass(tmp_path
 def test_describe_sums_the_passes_and_names_an_abandoned_one():
     from memra.kernels.precompile import describe
 
-    a = PrecompileReport(kernels=13, on_disk=1, failed=0, compile_s=2.0, load_s=0.5, workers=16)
-    b = PrecompileReport(kernels=31, on_disk=0, failed=2, compile_s=3.0, load_s=1.0, workers=8)
+    a = PrecompileReport(kernels=13, on_disk=1, failed=0, compile_s=2.0, load_s=0.5, workers=16, slowest_s=1.25,
+                         workers_ready_s=0.5)
+    b = PrecompileReport(kernels=31, on_disk=0, failed=2, compile_s=3.0, load_s=1.0, workers=8, slowest_s=0.75)
     assert describe([a, None, b]) == ("; Triton kernels precompiled at start: 44 (1 on disk already) in 6.5 s on "
-                                      "16 processes, 2 left to their first launch")
+                                      "16 processes (their start 0.5 s, the slowest kernel 1.2 s), 2 left to their "
+                                      "first launch")
+    warm = PrecompileReport(kernels=44, on_disk=44, load_s=0.1)  # nothing to compile: no workers started
+    assert describe([warm]) == "; Triton kernels precompiled at start: 44 (44 on disk already) in 0.1 s on 0 processes"
     off = PrecompileReport(skipped="not a CUDA device, interpreter, or MEMRA_PRECOMPILE off")
     assert describe([off, None]) == ""
     boom = PrecompileReport(kernels=3, skipped="record pass raised RuntimeError: boom")

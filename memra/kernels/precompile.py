@@ -33,8 +33,8 @@ Nothing here changes results: a specialization the record pass did not see, one 
 to compile (or took longer than :data:`TASK_TIMEOUT_S`) and one whose load failed all compile on
 first launch, as before; a record pass that raises is abandoned (the report says why) and the
 real run that follows meets the same error, if it is one. On the CPU, under the interpreter
-(``TRITON_INTERPRET=1``) or without ``MEMRA_PRECOMPILE=1`` (off by default for now) it does
-nothing. ``MEMRA_PRECOMPILE_WORKERS`` sets the number of workers (default: the CPUs this process
+(``TRITON_INTERPRET=1``) or with ``MEMRA_PRECOMPILE=0`` (on by default since the whole GPU
+suite passed with it on, H200, 2026-12-07) it does nothing. ``MEMRA_PRECOMPILE_WORKERS`` sets the number of workers (default: the CPUs this process
 may use, at most 16).
 """
 
@@ -73,8 +73,11 @@ class PrecompileReport:
     them were in Triton's disk cache already, the others went to ``workers`` processes, where
     ``failed`` of them failed (they compile here, on first launch); ``cache_hits``: loads here that
     found the kernel on disk; ``record_s`` / ``compile_s`` / ``load_s``: wall seconds of the three
-    passes; ``functions``: specializations per kernel (``"module:qualname"``); ``errors``: the
-    distinct errors (workers' and loads'). ``skipped``: why nothing was done (None when it ran)."""
+    passes; ``slowest_s``: the longest compile of one specialization in a worker;
+    ``workers_ready_s``: seconds from the workers' start to the last one's hello (its imports:
+    part of ``compile_s`` when this call started them); ``functions``: specializations per kernel
+    (``"module:qualname"``); ``errors``: the distinct errors (workers' and loads'). ``skipped``: why
+    nothing was done (None when it ran)."""
 
     kernels: int = 0
     on_disk: int = 0
@@ -84,21 +87,23 @@ class PrecompileReport:
     compile_s: float = 0.0
     load_s: float = 0.0
     workers: int = 0
+    slowest_s: float = 0.0
+    workers_ready_s: float = 0.0
     skipped: str | None = None
     functions: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
 
 def precompile_enabled(device) -> bool:
-    """True for a CUDA device, outside the interpreter, with ``MEMRA_PRECOMPILE=1`` (off by
-    default until the whole GPU suite has run with it on: :mod:`memra.kernels.envflags` reads the value).
+    """True for a CUDA device, outside the interpreter, unless ``MEMRA_PRECOMPILE=0`` (on by
+    default: :mod:`memra.kernels.envflags` reads the value).
 
     Raises: ValueError: the variable holds a value that is neither on nor off."""
     import torch
 
     if torch.device(device).type != "cuda" or triton_interpreted():
         return False
-    return env_flag("MEMRA_PRECOMPILE", False)
+    return env_flag("MEMRA_PRECOMPILE", True)
 
 
 def default_workers() -> int:
@@ -127,6 +132,8 @@ def describe(reports: Iterable[PrecompileReport | None]) -> str:
         out += (f"; Triton kernels precompiled at start: {sum(r.kernels for r in done)} "
                 f"({sum(r.on_disk for r in done)} on disk already) in "
                 f"{sum(r.compile_s + r.load_s for r in done):.1f} s on {max(r.workers for r in done)} processes"
+                + (f" (their start {max(r.workers_ready_s for r in done):.1f} s, the slowest kernel "
+                   f"{max(r.slowest_s for r in done):.1f} s)" if any(r.workers for r in done) else "")
                 + (f", {sum(r.failed for r in done)} left to their first launch" if any(r.failed for r in done)
                    else ""))
     abandoned = [r.skipped for r in reports if r.skipped and r.skipped.startswith(_ABANDONED)]
@@ -193,6 +200,8 @@ class _Workers:
         except OSError:
             self.close()
             raise
+        self.started = time.perf_counter()
+        self.ready_s = 0.0  # from the start to the last hello seen
         self.greeted = [False] * n
         self.refused: list[str | None] = [None] * n  # why a worker was not used
 
@@ -243,6 +252,7 @@ class _Workers:
                                        self._dead(w, "worker did not start"))
                     return
                 self.greeted[w] = True
+                self.ready_s = max(self.ready_s, time.perf_counter() - self.started)
             while True:
                 try:
                     i, t = todo.get_nowait()
@@ -422,6 +432,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     missing = [(jf, where, spec) for jf, where, spec in seen.values() if not _on_disk(jf, spec, tgt)]
     errors: set[str] = set()
     n = failed = 0
+    slowest = ready = 0.0
     if missing:
         try:
             n = start_workers(workers)
@@ -430,6 +441,8 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
             results = [{"ok": False, "error": f"workers not started: {e!r}"}] * len(missing)
         failed = sum(not r["ok"] for r in results)
         errors.update(r["error"] for r in results if not r["ok"])
+        slowest = max((r.get("seconds", 0.0) for r in results if r["ok"]), default=0.0)
+        ready = _POOL[0].ready_s if _POOL[0] is not None else 0.0
     if not keep_workers:
         stop_workers()
     t2 = time.perf_counter()
@@ -452,7 +465,8 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         knobs.compilation.listener = listener
     return PrecompileReport(kernels=len(seen), on_disk=len(seen) - len(missing), failed=failed,
                             cache_hits=sum(hits), record_s=t1 - t0, compile_s=t2 - t1,
-                            load_s=time.perf_counter() - t2, workers=n, functions=functions,
+                            load_s=time.perf_counter() - t2, workers=n, slowest_s=slowest,
+                            workers_ready_s=ready, functions=functions,
                             errors=sorted(errors))
 
 
