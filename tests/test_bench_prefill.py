@@ -286,7 +286,7 @@ def test_cli_help():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cli_without_cuda_is_a_clear_error():
     r = _memra("--no-ttft")
-    assert r.returncode == 1 and "memra bench prefill needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "memra bench prefill: needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     r = _memra("--chunk", "0")  # argument errors come first
     assert r.returncode == 1 and "--chunk" in r.stderr
 

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def memra(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memra", *args], capture_output=True, text=True, input=input,
@@ -191,3 +194,16 @@ def test_convert_synth_cut_and_bench_file_smoke(tmp_path):
     assert "TTFT first / second request" in r.stdout
     assert m["startup_s"]["weights"] > 0 and "start-up phases, warm start: import" in r.stdout
     assert "nan" not in r.stdout and "n/a" in r.stdout  # no copy-bandwidth ceiling on the CPU: said, not nan
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("args", [["census"], ["decode"], ["prefill", "--no-ttft"], ["moe-grouped"],
+                                  ["moe-grouped", "--tune"], ["file", __file__]], ids=lambda a: " ".join(a[:2]))
+def test_every_gpu_bench_says_the_same_thing_without_a_gpu(args):
+    """One message, status 1, no traceback, from every GPU bench on a machine without a GPU."""
+    from memra.bench.common import no_cuda_message
+
+    r = subprocess.run([sys.executable, "-m", "memra", "bench", *args], capture_output=True, text=True, timeout=300)
+    command = "moe-grouped --tune" if "--tune" in args else args[0]
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert no_cuda_message(command) in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .common import commit, copy_bandwidth, cuda_graph_us, write_json
+from .common import commit, copy_bandwidth, cuda_graph_us, require_cuda, write_json
 
 __all__ = ["main", "run_from_args", "add_census_args", "run_census", "SHAPES", "shapes_for"]
 
@@ -189,8 +189,7 @@ def run_census(a: argparse.Namespace) -> dict:
 
     from ..kernels import gemv
 
-    if not torch.cuda.is_available():
-        raise SystemExit("memra bench census: needs a CUDA GPU")
+    require_cuda("census")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]

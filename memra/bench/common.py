@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cuda_graph_us", "eager_us", "median_ms",
-    "copy_bandwidth", "matmul_ceilings",
+    "copy_bandwidth", "matmul_ceilings", "no_cuda_message", "require_cuda",
     "commit", "write_json",
     "FLAGSHIP", "FORMATS", "random_bank", "random_moe", "random_routing",
     "SKEW_SPAN", "SKEW_GAMMA", "SKEW_TARGET",
@@ -45,6 +45,23 @@ __all__ = [
     "expert_nbytes", "projection_costs", "CHECK_TOL", "rel_err",
     "phase_fns",
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# the GPU benches' one message when no GPU is visible
+
+
+def no_cuda_message(command: str) -> str:
+    """What ``memra bench <command>`` says when torch sees no CUDA GPU (every GPU bench says it
+    the same way)."""
+    return (f"memra bench {command}: needs a CUDA GPU, and torch {torch.__version__} sees none (a CPU "
+            f"build of torch, no driver, or CUDA_VISIBLE_DEVICES hiding the GPUs)")
+
+
+def require_cuda(command: str) -> None:
+    """Raises: SystemExit (status 1, :func:`no_cuda_message`) when torch sees no CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(no_cuda_message(command))
 
 
 # ---------------------------------------------------------------------------------------

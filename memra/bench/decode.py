@@ -45,6 +45,7 @@ from .common import (
     copy_bandwidth,
     median_ms,
     phase_fns,
+    require_cuda,
     write_json,
 )
 
@@ -117,8 +118,7 @@ def run_decode_bench(a: argparse.Namespace) -> dict:
     from ..layers.moe import MoE
     from ..roofline import step35_bytes
 
-    if not torch.cuda.is_available():
-        raise SystemExit("memra bench decode needs a CUDA GPU")
+    require_cuda("decode")
     dev = torch.device("cuda")
     if getattr(a, "shared_overlap", None) is not None:
         MoE.overlap_shared = a.shared_overlap == "on"

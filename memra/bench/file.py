@@ -173,13 +173,13 @@ def _llama_bench(exe: str, path: str, prompt: int, gen: int, reps: int) -> dict:
 
 def run_from_args(a: argparse.Namespace) -> int:
     """Run the bench (``memra bench file``); returns the exit status."""
-    from .common import commit, copy_bandwidth, write_json
+    from .common import commit, copy_bandwidth, no_cuda_message, write_json
 
     cuda = torch.device(a.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("memra bench file: no CUDA GPU here (--device cpu runs the memra side on the CPU, a smoke test)",
+        print(no_cuda_message("file") + "; --device cpu runs the memra side on the CPU, a smoke test",
               file=sys.stderr)
-        return 2
+        return 1
     if not Path(a.path).is_file():
         print(f"memra bench file: {a.path} is not a file (a GGUF file is expected)", file=sys.stderr)
         return 2

@@ -97,6 +97,7 @@ from .common import (
     projection_costs,
     random_bank,
     random_moe,
+    require_cuda,
     routing_stats,
     routing_weights,
     skewed_routing,
@@ -420,8 +421,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     """All (format, routing) runs for parsed arguments; the result dict written as JSON
     (bench, date, machine, versions, commit, ceilings, copy bandwidth, method, runs)."""
     p = parse_args_checked(a)
-    if not torch.cuda.is_available():
-        raise SystemExit("memra bench moe-grouped: needs a CUDA GPU (none visible to torch); run it on the H200")
+    require_cuda("moe-grouped")
     import triton
 
     dev = torch.device("cuda")

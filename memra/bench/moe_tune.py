@@ -38,7 +38,17 @@ from pathlib import Path
 
 import torch
 
-from .common import CHECK_TOL, FLAGSHIP, commit, eager_us, random_moe, rel_err, routing_weights, skewed_routing
+from .common import (
+    CHECK_TOL,
+    FLAGSHIP,
+    commit,
+    eager_us,
+    random_moe,
+    rel_err,
+    require_cuda,
+    routing_weights,
+    skewed_routing,
+)
 
 __all__ = ["candidates", "precompile", "tune_point", "run_tune"]
 
@@ -236,8 +246,7 @@ def run_tune(ts, formats, out_path: str | Path, seed: int = 0, workers: int | No
     """Tunes every (format, T) and writes/merges the table at ``out_path`` (entries of other
     formats / shapes already there are kept; a re-tuned (format, T) replaces its entry).
     Returns the table. Raises: SystemExit without CUDA."""
-    if not torch.cuda.is_available():
-        raise SystemExit("memra bench moe-grouped --tune: needs a CUDA GPU (none visible to torch)")
+    require_cuda("moe-grouped --tune")
     from ..kernels.moe_prefill import table_key, tuned_table
 
     shape = dict(FLAGSHIP)

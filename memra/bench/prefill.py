@@ -93,6 +93,7 @@ from .common import (
     matmul_ceilings,
     phase_fns,
     projection_costs,
+    require_cuda,
     routing_stats,
     skewed_routing,
     write_json,
@@ -450,8 +451,7 @@ def run_prefill_bench(a: argparse.Namespace) -> dict:
     import torch
 
     check_args(a)
-    if not torch.cuda.is_available():
-        raise SystemExit("memra bench prefill needs a CUDA GPU (it builds the model in GPU memory); none is visible")
+    require_cuda("prefill")
     invariant = apply_batch_invariant(a)
     from ..io.synthetic import build_gpu_model, load_geometry, model_config
     from ..roofline import step35_bytes
