@@ -104,6 +104,25 @@ def test_quantized_codes_are_the_twins():
         assert float((a != b).float().mean()) < 0.01
 
 
+def test_a_nan_in_the_activations_is_not_hidden():
+    """A NaN in x makes its 1x128 group's scale NaN (the torch twin's amax keeps it; Triton's
+    tl.max would drop it and the group would dequantize finite), so the GEMM row it feeds is NaN
+    and no other row is touched."""
+    t, n, k = 5, 192, 384
+    w = _fp8_weight(n, k, seed=21)
+    x = _x(t, k, seed=22)
+    x[2, 130] = float("nan")
+    xq, xs = quantize_act_fp8(x)
+    rq, rs = quantize_act_fp8_ref(x.float().cpu())
+    assert torch.isnan(xs[2, 1]) and torch.isnan(rs[2, 1])
+    nan = torch.zeros_like(rs, dtype=torch.bool)
+    nan[2, 1] = True
+    assert not torch.isnan(xs.cpu()[~nan]).any() and not torch.isnan(rs[~nan]).any()
+    y = fp8_act_linear(x, w, config=Fp8LinearConfig(64, 16, 1)).cpu()
+    assert torch.isnan(y[2]).all()
+    assert torch.isfinite(y[[0, 1, 3, 4]]).all()
+
+
 def test_rows_do_not_depend_on_each_other():
     """A token's row is the same bits whichever other tokens share the call (same tile shape),
     and a split-in-two K gives the same bits on every run (two partial sums into zeros; only the

@@ -66,11 +66,18 @@ def _to_e4m3(v, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quant_groups(v, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
     """fp32 v [R, C] (C a multiple of 128) -> (E4M3 codes [R, C], fp32 scales [R, C // 128]):
-    s = max(amax of the 1x128 group, 1e-10) / 448, code = e4m3(clamp(v / s, +-448))."""
+    s = max(amax of the 1x128 group, 1e-10) / 448, code = e4m3(clamp(v / s, +-448)). A NaN in a
+    group makes its scale NaN (``tl.max`` would drop it, and the group would dequantize finite),
+    so what is computed from the group is NaN, as with the torch twin."""
     v3 = tl.reshape(v, [R, C // 128, 128])
-    amax = tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-10)
+    amax = _nan_max(tl.reduce(tl.abs(v3), 2, _nan_max), 1e-10)
     s = amax / 448.0
     q = tl.math.div_rn(v3, s[:, :, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
