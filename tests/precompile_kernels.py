@@ -84,3 +84,42 @@ def moe_keys(first: str, settle: bool) -> dict[str, str]:
     if settle:
         settle_cache_keys()
     return {n: getattr(m, n).cache_key for n in names}
+
+
+def precompile_moe_decode_on_the_cpu(cache_dir: str, workers: int) -> dict:
+    """memra's whole precompile (record, compile in ``workers`` processes, load) of the MoE decode
+    kernels (two formats, 1-3 tokens, with and without the SwiGLU limit), on a machine without a
+    GPU: a fake sm_90 driver (tests/fake_cuda_driver.py) and CPU tensors. Run it in a fresh
+    process. Returns the report's fields and what a second call (a warm start) reported."""
+    import dataclasses
+    import os
+
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    os.environ["MEMRA_PRECOMPILE"] = "1"
+    import fake_cuda_driver
+
+    fake_cuda_driver.install()
+    import torch
+    from moe_banks import banks
+
+    import memra.kernels._moe_triton as m
+    from memra.kernels.moe_decode import moe_decode
+    from memra.kernels.precompile import precompile
+
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for fmt in ("nvfp4", "bf16"):
+        gu, dn, _ = banks(fmt, 64, 128, 0, 8)
+        for t in (1, 2, 3):
+            x = torch.randn(t, 128, generator=g).to(torch.bfloat16)
+            idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)])
+            w = torch.rand(t, 3, generator=g)
+            for lim in (None, 7.0):
+                calls.append(lambda x=x, idx=idx, w=w, gu=gu, dn=dn, lim=lim: moe_decode(x, idx, w, gu, dn, lim))
+    _ = m._moe_down_kernel.cache_key  # this process hashes down first; the workers in task order
+    cold = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
+    from memra.kernels.precompile import _take_compiled
+
+    _take_compiled()  # as a new process would be: nothing compiled in memory, all on disk
+    warm = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
+    return {"cold": cold, "warm": warm}

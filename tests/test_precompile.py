@@ -111,6 +111,35 @@ def _moe_keys(first: str, settle: bool) -> dict:  # (run in a fresh process each
     return moe_keys(first, settle)
 
 
+def test_the_whole_precompile_on_a_cpu_with_a_fake_gpu_driver(tmp_path, monkeypatch):
+    """precompile() end to end without a GPU (a fake sm_90 driver in a fresh process): the record
+    pass sees the MoE decode kernels' specializations, two worker processes compile them for
+    sm_90, and every load in the parent is a disk-cache hit, although the parent hashed the
+    kernels in another order than the workers (the defect settle_cache_keys works around: 10 of
+    22 loads missed without it). A second call finds them all on disk and starts no worker."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        r = pool.submit(_precompile_on_the_cpu, str(tmp_path / "cache"), 2).result(timeout=900)
+    cold, warm = r["cold"], r["warm"]
+    assert cold["skipped"] is None and cold["errors"] == [], cold
+    assert cold["kernels"] >= 10 and cold["on_disk"] == 0 and cold["failed"] == 0, cold
+    assert cold["cache_hits"] == cold["kernels"], cold  # every load found the workers' kernel
+    assert cold["workers"] == 2 and 0 < cold["workers_ready_s"] <= cold["compile_s"], cold
+    assert 0 < cold["slowest_s"] <= cold["compile_s"], cold
+    assert {f.split(":")[1] for f in cold["functions"]} >= {"_moe_gate_up_kernel", "_moe_down_kernel"}, cold
+    assert warm["kernels"] == cold["kernels"] and warm["on_disk"] == warm["kernels"], warm
+    assert warm["workers"] == 0 and warm["cache_hits"] == warm["kernels"] and warm["errors"] == [], warm
+
+
+def _precompile_on_the_cpu(cache_dir: str, workers: int) -> dict:  # (run in a fresh process)
+    from precompile_kernels import precompile_moe_decode_on_the_cpu
+
+    return precompile_moe_decode_on_the_cpu(cache_dir, workers)
+
+
 def test_a_hung_worker_is_killed_and_its_task_reported(monkeypatch):
     """A task past the timeout kills its worker; the task comes back failed, naming the timeout,
     and the pool still stops cleanly."""
