@@ -104,23 +104,32 @@ def test_quantized_codes_are_the_twins():
         assert float((a != b).float().mean()) < 0.01
 
 
-def test_a_nan_in_the_activations_is_not_hidden():
-    """A NaN in x makes its 1x128 group's scale NaN (the torch twin's amax keeps it; Triton's
-    tl.max would drop it and the group would dequantize finite), so the GEMM row it feeds is NaN
-    and no other row is touched."""
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy's inf / inf, interpreted)
+def test_non_finite_activations_are_quantized_as_the_twin_does():
+    """A NaN in x makes its 1x128 group's scale and codes NaN (Triton's tl.max and min / max
+    drop a NaN: the group dequantized finite); an inf makes the scale inf, its own code NaN and
+    the group's other codes 0, as ``quantize_act_fp8_ref`` does. So the GEMM rows they
+    feed are not finite, and no other row is touched."""
     t, n, k = 5, 192, 384
     w = _fp8_weight(n, k, seed=21)
     x = _x(t, k, seed=22)
     x[2, 130] = float("nan")
+    x[4, 300] = float("inf")
     xq, xs = quantize_act_fp8(x)
     rq, rs = quantize_act_fp8_ref(x.float().cpu())
-    assert torch.isnan(xs[2, 1]) and torch.isnan(rs[2, 1])
-    nan = torch.zeros_like(rs, dtype=torch.bool)
-    nan[2, 1] = True
-    assert not torch.isnan(xs.cpu()[~nan]).any() and not torch.isnan(rs[~nan]).any()
+    xq, xs = xq.cpu().float(), xs.cpu()
+    assert torch.isnan(xs[2, 1]) and torch.isnan(rs[2, 1]) and xs[4, 2] == rs[4, 2] == float("inf")
+    bad = torch.zeros_like(rs, dtype=torch.bool)
+    bad[2, 1] = bad[4, 2] = True
+    assert torch.isfinite(xs[~bad]).all() and torch.isfinite(rs[~bad]).all()
+    for r, g in ((2, 1), (4, 2)):  # the non-finite groups' codes: the twin's, NaN where it is NaN
+        a, b = xq[r, g * 128:(g + 1) * 128], rq.float()[r, g * 128:(g + 1) * 128]
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)])
+    assert int(torch.isnan(xq).sum()) == 128 + 1  # the NaN's group, the inf itself
     y = fp8_act_linear(x, w, config=Fp8LinearConfig(64, 16, 1)).cpu()
-    assert torch.isnan(y[2]).all()
-    assert torch.isfinite(y[[0, 1, 3, 4]]).all()
+    # (row 4: NaN on the GPU; the interpreter reads the NaN code 0x7F as 480, and inf comes out)
+    assert torch.isnan(y[2]).all() and not torch.isfinite(y[4]).any()
+    assert torch.isfinite(y[[0, 1, 3]]).all()
 
 
 def test_rows_do_not_depend_on_each_other():

@@ -118,6 +118,43 @@ def _check_align(index: torch.Tensor, e: int, bm: int) -> None:
         assert int((be == ex).sum()) == -(-int(counts[ex]) // bm)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy on the NaN, interpreted)
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_nan_token_stays_nan_through_the_swiglu_clamp(dev, fmt):
+    """A token whose activations hold a NaN comes out NaN from the MoE prefill (fp8: through the
+    quantized activations), the MoE decode kernel and the fused SwiGLU, with Step-3.5's clamp
+    on, as torch.clamp keeps a NaN (``moe_prefill_ref``); the other tokens stay finite. On the
+    GPU min / max drop a NaN unless told to keep it (the interpreter's numpy keeps it anyway)."""
+    if dev == "cpu" and torch.cuda.is_available():
+        pytest.skip("the interpreter run: CPU machines")
+    from memra.bench.common import random_moe
+    from memra.kernels.fused import swiglu
+    from memra.kernels.moe_decode import moe_decode
+
+    i = _i(fmt)
+    gu, down, gen = random_moe(fmt, torch.device(dev), seed=5, e=E, d=D, i=i)
+    t = 6
+    g = torch.Generator().manual_seed(6)
+    index, weight = (v.to(dev) for v in _routing(t, 2, "uniform", g))
+    x = (torch.randn(t, D, generator=g) * 0.5).to(torch.float16 if dev == "cpu" else torch.bfloat16).to(dev)
+    x[3, 5] = float("nan")
+    ok = [0, 1, 2, 4, 5]
+    r = moe_prefill_ref(x.float(), index, weight, gu, down, 0.5)
+    assert torch.isnan(r[3]).all() and torch.isfinite(r[ok]).all()
+    for y in (moe_prefill(x, index, weight, gu, down, 0.5, config=_cfg(fmt, i)),
+              moe_decode(x[:4], index[:4], weight[:4], gu, down, 0.5)):
+        y = y.float().cpu()
+        assert torch.isnan(y[3]).all(), (fmt, y[3])
+        assert torch.isfinite(y[[k for k in ok if k < len(y)]]).all()
+    gu2 = torch.randn(4, 2 * 128, generator=g).to(x.dtype).to(dev)
+    gu2[1, 7] = float("nan")  # a gate value
+    gu2[2, 128 + 9] = float("nan")  # an up value
+    a = swiglu(gu2, 0.5).float().cpu()
+    assert torch.isnan(a[1, 7]) and torch.isnan(a[2, 9]) and int(torch.isnan(a).sum()) == 2
+
+
 def test_moe_align_invariants():
     g = torch.Generator().manual_seed(0)
     cases = [(1, 2, 8, 16), (7, 3, 8, 16), (33, 3, 8, 16), (33, 2, 8, 64), (64, 8, 288, 64), (512, 8, 288, 16),
@@ -425,8 +462,9 @@ def test_tuned_table_lookup_and_tuner_candidates(tmp_path, monkeypatch):
 
 def test_sm90_compile_of_the_defaults():
     """The default configurations compile for sm_90 (Triton's bundled ptxas, no GPU) at the
-    flagship shape, T = 4096, with Hopper wgmma, cp.async pipelining and no register spills
-    (a separate process: the interpreter replaces the JIT functions in this one)."""
+    flagship shape, T = 4096, with Hopper wgmma, cp.async pipelining, no register spills and no
+    float min / max that drops a NaN (the SwiGLU clamp, the FP8 activation quantization; a
+    separate process: the interpreter replaces the JIT functions in this one)."""
     import json
     import subprocess
     import sys
@@ -442,6 +480,7 @@ def test_sm90_compile_of_the_defaults():
     for fmt, kernels in rep.items():
         for name, k in kernels.items():
             assert k["wgmma"] and k["cp_async"] and k["stack"] == 0 and k["smem"] <= 227 * 1024, (fmt, name, k)
+            assert k["nan_dropping_minmax"] == 0, (fmt, name, k)
 
 
 # ---------------------------------------------------------------------------------------

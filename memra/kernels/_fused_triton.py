@@ -17,8 +17,8 @@ def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.co
     u = tl.load(gu_ptr + row * stride_g + n + cols, mask=m, other=0.0).to(tl.float32)
     a = g / (1.0 + tl.exp(-g))
     if HAS_LIMIT:
-        a = tl.minimum(a, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     tl.store(y_ptr + row * stride_y + cols, (a * u).to(y_ptr.dtype.element_ty), mask=m)
 
 

@@ -51,17 +51,19 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _to_e4m3(v, EXACT: tl.constexpr):
-    """fp32 values with |v| <= 448 -> float8e4nv, round to nearest even. EXACT: round on the E4M3
-    grid in fp32 arithmetic first (the Triton 3.6 interpreter's fp32 -> fp8 cast is wrong when
-    the rounding carries into the next binade, e.g. -126.5 -> -64); else the native cast
-    (cvt.rn.satfinite on sm_90)."""
+    """fp32 values with |v| <= 448 (or NaN) -> float8e4nv, round to nearest even, NaN to NaN.
+    EXACT: round on the E4M3 grid in fp32 arithmetic first (the Triton 3.6 interpreter's fp32 ->
+    fp8 cast is wrong when the rounding carries into the next binade, e.g. -126.5 -> -64, and
+    turns NaN into 384); else the native cast (cvt.rn.satfinite on sm_90, NaN to NaN)."""
     if EXACT:
         ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         ex = tl.maximum(ex, -6)  # E4M3 subnormals: spacing 2^-9
         ulp = ((ex - 3 + 127) << 23).to(tl.float32, bitcast=True)
         y = v / ulp  # exact (power of two), |y| < 16
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties to even
-        v = y * ulp
+        r = (y * ulp).to(tl.float8e4nv)
+        nan8 = tl.full(v.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
+        return tl.where(v != v, nan8, r)  # (the interpreter's cast turns NaN into 384)
     return v.to(tl.float8e4nv)
 
 
@@ -73,14 +75,21 @@ def _nan_max(a, b):
 @triton.jit
 def _quant_groups(v, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
     """fp32 v [R, C] (C a multiple of 128) -> (E4M3 codes [R, C], fp32 scales [R, C // 128]):
-    s = max(amax of the 1x128 group, 1e-10) / 448, code = e4m3(clamp(v / s, +-448)). A NaN in a
-    group makes its scale NaN (``tl.max`` would drop it, and the group would dequantize finite),
-    so what is computed from the group is NaN, as with the torch twin."""
+    s = max(amax of the 1x128 group, 1e-10) / 448, code = e4m3(clamp(v / s, +-448)). Non-finite
+    values as in the torch twin (``quantize_act_fp8_ref``): a NaN in a group makes its scale NaN
+    (``tl.max`` alone drops it) and its code NaN; an inf makes the scale inf and the group's codes
+    NaN (inf / inf) or 0."""
     v3 = tl.reshape(v, [R, C // 128, 128])
-    amax = _nan_max(tl.reduce(tl.abs(v3), 2, _nan_max), 1e-10)
+    if EXACT:  # the interpreter: tl.max is numpy's; a custom combine would run element by element
+        amax = tl.max(tl.abs(v3), axis=2)
+        amax = tl.where(tl.sum((v3 != v3).to(tl.int32), axis=2) > 0, float("nan"), amax)
+    else:
+        amax = tl.reduce(tl.abs(v3), 2, _nan_max)
+    amax = _nan_max(amax, 1e-10)
     s = amax / 448.0
     q = tl.math.div_rn(v3, s[:, :, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
     return tl.reshape(_to_e4m3(q, EXACT), [R, C]), s
 
 
@@ -386,8 +395,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
             acc_u = acc_u * 256.0
         a = acc_g * tl.sigmoid(acc_g)
         if HAS_LIMIT:
-            a = tl.minimum(a, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
         a = a * acc_u
         rm64 = rm.to(tl.int64)
         sm = valid[:, None] & (j < I)[None, :]

@@ -16,8 +16,8 @@ def _act_store(ptr, y, ra, m, limit, BA: tl.constexpr, HAS_LIMIT: tl.constexpr):
     g, u = tl.split(tl.permute(tl.reshape(y, [2, BA]), (1, 0)))
     a = g * tl.sigmoid(g)
     if HAS_LIMIT:
-        a = tl.minimum(a, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     tl.store(ptr + ra, a * u, mask=m)
 
 

@@ -644,7 +644,9 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
     pointers, ints divisible by 16 marked so), and reports per kernel: ``regs``, ``stack``
     (bytes of local memory per thread: > 0 means register spills), ``smem`` (bytes),
     ``wgmma`` / ``cp_async`` (whether the PTX uses Hopper warp-group MMAs and asynchronous
-    copies, i.e. whether Triton pipelined the K loop). For screening tile configurations
+    copies, i.e. whether Triton pipelined the K loop), ``nan_dropping_minmax`` (PTX ``min.f32`` /
+    ``max.f32``, which return the other operand of a NaN: the SwiGLU clamp and the activation
+    quantization must use ``min.NaN`` / ``max.NaN`` to keep a NaN, as torch does). For screening tile configurations
     before spending GPU time; it says nothing about speed.
 
     Needs ``TRITON_INTERPRET`` unset when memra.kernels._moe_prefill_triton was imported (the
@@ -742,5 +744,6 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
         m = re.search(r"REG:(\d+) STACK:(\d+)", res)
         ptx = k.asm["ptx"]
         out[name] = dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
-                         smem=int(k.metadata.shared), wgmma="wgmma" in ptx, cp_async="cp.async" in ptx)
+                         smem=int(k.metadata.shared), wgmma="wgmma" in ptx, cp_async="cp.async" in ptx,
+                         nan_dropping_minmax=len(re.findall(r"\b(?:min|max)\.f32\s", ptx)))
     return out
