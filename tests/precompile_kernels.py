@@ -123,3 +123,44 @@ def precompile_moe_decode_on_the_cpu(cache_dir: str, workers: int) -> dict:
     _take_compiled()  # as a new process would be: nothing compiled in memory, all on disk
     warm = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
     return {"cold": cold, "warm": warm}
+
+
+CHAIN = """
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr(3)
+
+
+@triton.jit
+def a_kernel(x_ptr):
+    tl.store(x_ptr, b_fn(tl.load(x_ptr)))
+
+
+@triton.jit
+def b_fn(v):
+    return c_fn(v) + 1
+
+
+@triton.jit
+def c_fn(v):
+    return v * SCALE
+"""
+
+
+def chain_keys(directory: str, order: list[str], settle: bool) -> dict:
+    """Keys of a three-deep call chain ``a_kernel -> b_fn -> c_fn`` (only ``c_fn`` reads a global
+    constexpr; the module :data:`CHAIN`, written to ``directory/chain_mod.py`` by the test) after
+    hashing the functions in ``order``, then (``settle``) settle_cache_keys on that module; and
+    the number of passes it took."""
+    import sys
+
+    sys.path.insert(0, directory)
+    import chain_mod
+
+    from memra.kernels.precompile import settle_cache_keys
+
+    for name in order:
+        _ = getattr(chain_mod, name).cache_key
+    passes = settle_cache_keys(["chain_mod"]) if settle else 0
+    return {"passes": passes, **{n: getattr(chain_mod, n).cache_key for n in ("a_kernel", "b_fn", "c_fn")}}

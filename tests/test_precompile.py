@@ -105,6 +105,36 @@ def test_cache_keys_do_not_depend_on_which_kernel_a_process_hashed_first(monkeyp
     assert keys["_moe_gate_up_kernel", False] != keys["_moe_down_kernel", False]
 
 
+def test_settling_reaches_the_end_of_a_call_chain(tmp_path, monkeypatch):
+    """a -> b -> c with the global constexpr in c, hashed caller first (the worst order: a's key
+    then lacks c's global, and one recomputation only fixes b): settled, every key equals that of
+    a process which hashed c, b, a in that order (the order Triton 3.6 gets right)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from precompile_kernels import CHAIN
+
+    (tmp_path / "chain_mod.py").write_text(CHAIN)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        def run(order, settle):
+            return pool.submit(_chain_keys, str(tmp_path), order, settle).result(timeout=300)
+
+        right = run(["c_fn", "b_fn", "a_kernel"], False)
+        wrong = run(["a_kernel"], False)
+        settled = run(["a_kernel"], True)
+    assert wrong["a_kernel"] != right["a_kernel"]  # the defect, on the pinned Triton
+    assert {k: settled[k] for k in ("a_kernel", "b_fn", "c_fn")} == {k: right[k] for k in ("a_kernel", "b_fn", "c_fn")}
+    assert settled["passes"] >= 3  # two recomputations to reach a, one to see nothing change
+
+
+def _chain_keys(directory: str, order: list, settle: bool) -> dict:  # (run in a fresh process each)
+    from precompile_kernels import chain_keys
+
+    return chain_keys(directory, order, settle)
+
+
 def _moe_keys(first: str, settle: bool) -> dict:  # (run in a fresh process each)
     from precompile_kernels import moe_keys
 

@@ -161,7 +161,10 @@ def _worker_init() -> None:
             importlib.import_module(m.name)
         except Exception:  # noqa: BLE001, S112
             continue
-    settle_cache_keys()
+    try:
+        settle_cache_keys()
+    except Exception:  # noqa: BLE001 - its keys may then differ from the engine's: the engine compiles those
+        pass
 
 
 def _memra_root() -> str:
@@ -428,7 +431,13 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
 
     target = driver.active.get_current_target()
     tgt = [target.backend, target.arch, target.warp_size]
-    settle_cache_keys()  # the workers' keys, whatever this process hashed first
+    try:
+        settle_cache_keys()  # the workers' keys, whatever this process hashed first
+    except Exception as e:  # noqa: BLE001 - then every kernel compiles here, on first launch, as without
+        if not keep_workers:
+            stop_workers()
+        return PrecompileReport(kernels=len(seen), record_s=t1 - t0, functions=functions,
+                                skipped=f"cache keys not settled: {type(e).__name__}: {e}"[:2000])
     missing = [(jf, where, spec) for jf, where, spec in seen.values() if not _on_disk(jf, spec, tgt)]
     errors: set[str] = set()
     n = failed = 0
@@ -543,7 +552,7 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
     if fn is None:
         raise LookupError(f"precompile: no Triton JIT function at {where}")
-    if module not in _SETTLED:  # imported by this call (its import failed in _worker_init)
+    if module.startswith(__package__ + ".") and module not in _SETTLED:  # imported now (_worker_init failed it)
         settle_cache_keys()
     src, options, gpu = _decode(fn, spec, target)
     kernel = triton.compile(src, target=gpu, options=options.__dict__)
@@ -557,10 +566,10 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
     return time.perf_counter() - t0
 
 
-def settle_cache_keys() -> int:
-    """Make the Triton cache key of every JIT function in memra's imported kernel modules
-    independent of the order in which this process first computed them; returns how many passes
-    that took.
+def settle_cache_keys(modules: Iterable[str] | None = None) -> int:
+    """Make the Triton cache key of every JIT function in memra's imported kernel modules (or in
+    the imported ``modules``, by name) independent of the order in which this process first
+    computed them; returns how many passes that took.
 
     Triton 3.6's ``JITCallable.cache_key`` merges a called helper's ``used_global_vals`` into the
     caller's before it computes the helper's own key (``DependenciesFinder._update_hash``), so a
@@ -570,29 +579,35 @@ def settle_cache_keys() -> int:
     and the engine missed the workers' disk-cache entries (the MoE decode kernels, found on the
     H100). Fixed upstream (triton-lang/triton#10494, later than 3.6). Here every key is
     recomputed, helpers' merged globals included, until no key changes: the result depends only
-    on each kernel's call graph. The engine calls this before the compile pass, each worker after
-    importing the kernel modules.
+    on each kernel's call graph (each pass settles one more level of calls). The engine calls
+    this before the compile pass, each worker after importing the kernel modules. Only module-level
+    functions (and autotuner / heuristics wrappers') are reset: memra defines no other.
 
-    Raises: RuntimeError: no fixed point after 16 passes (a call chain that deep).
+    Raises: RuntimeError: no fixed point after 16 passes (a call chain that deep); whatever
+    Triton's hashing raises for a function (the engine's caller catches both).
     """
     import sys
 
     from triton.runtime.jit import JITCallable
 
+    names = set(modules) if modules is not None else None
     fns: dict[int, JITCallable] = {}
     for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(__package__ + "."):
+        if mod is None or not (name in names if names is not None else name.startswith(__package__ + ".")):
             continue
         for obj in list(vars(mod).values()):
-            while obj is not None and not isinstance(obj, JITCallable) and hasattr(obj, "fn"):
-                obj = obj.fn  # an autotuner / heuristics wrapper
+            for _ in range(4):  # an autotuner / heuristics wrapper holds the function as .fn
+                if isinstance(obj, JITCallable) or not hasattr(obj, "fn"):
+                    break
+                obj = obj.fn
             if isinstance(obj, JITCallable):
                 fns[id(obj)] = obj
         _SETTLED.add(name)
     before = None
     for n in range(1, 17):
         for f in fns.values():
-            f.hash = None
+            with f._hash_lock:
+                f.hash = None
         keys = {i: f.cache_key for i, f in fns.items()}
         if keys == before:
             return n
