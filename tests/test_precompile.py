@@ -60,6 +60,8 @@ def test_a_worker_process_compiles_into_the_disk_cache_this_process_then_hits(tm
         ok, missing = mod._POOL[0].map([task, bad])
         assert ok["ok"] and ok["seconds"] > 0, ok
         assert 0 < mod._POOL[0].ready_s < 600  # the hello came, after the worker's imports
+        hello = mod._POOL[0].hellos[0]
+        assert hello["torch"] is False and 0 < hello["init_s"] < 600, hello  # a worker needs no torch
         assert not missing["ok"] and "LookupError: precompile: no Triton JIT function" in missing["error"], missing
     finally:
         stop_workers()

@@ -147,16 +147,23 @@ def describe(reports: Iterable[PrecompileReport | None]) -> str:
 
 
 def _worker_init() -> None:
-    # what the compiles will need (Triton, torch, memra's kernel modules), imported once per
-    # worker; a module that fails to import here is retried (and its error reported) by the
-    # compile that needs it
+    # what the compiles will need, imported once per worker: Triton's compiler and CUDA launcher
+    # builder, and memra's kernel sources (the ``_*_triton`` modules, which import Triton only).
+    # Not torch: nothing a compile does needs it, and 16 workers importing a CUDA build of torch
+    # at once took seconds of a cold start. A module that fails to import here is retried (and
+    # its error reported) by the compile that needs it; a task naming another module imports it.
     import importlib
     import pkgutil
 
-    import torch  # noqa: F401
     import triton.compiler.compiler  # noqa: F401
 
+    try:
+        import triton.backends.nvidia.driver  # noqa: F401
+    except Exception:  # noqa: BLE001, S110 - another backend: nothing to prepare
+        pass
     for m in pkgutil.iter_modules([os.path.dirname(os.path.abspath(__file__))], "memra.kernels."):
+        if not m.name.endswith("_triton"):
+            continue
         try:
             importlib.import_module(m.name)
         except Exception:  # noqa: BLE001, S112
@@ -175,7 +182,8 @@ def _memra_root() -> str:
 class _Workers:
     """``n`` compile processes, each ``python -P -m memra.kernels.precompile`` (``-P``: the
     working directory does not shadow this process's memra). A worker first writes a hello line
-    (``{"memra": its package directory}``; a worker running another copy of memra is not used),
+    (``{"memra": its package directory, "init_s": its imports' seconds, "torch": whether they
+    pulled torch in}``, kept in :attr:`hellos`; a worker running another copy of memra is not used),
     then answers one JSON task per line on its stdin (``where``, ``spec``, ``target``:
     :func:`compile_specialization`'s arguments) with one JSON result per line on its stdout
     (``ok``, ``seconds`` or ``error``); its stderr goes to a temporary log, whose tail a failure
@@ -206,6 +214,7 @@ class _Workers:
         self.started = time.perf_counter()
         self.ready_s = 0.0  # from the start to the last hello seen
         self.greeted = [False] * n
+        self.hellos: list[dict] = [{} for _ in range(n)]  # what each worker said first
         self.refused: list[str | None] = [None] * n  # why a worker was not used
 
     def _tail(self, i: int) -> str:
@@ -246,7 +255,8 @@ class _Workers:
                 finally:
                     timer.cancel()
                 try:
-                    theirs = json.loads(hello).get("memra")
+                    self.hellos[w] = json.loads(hello)
+                    theirs = self.hellos[w].get("memra")
                 except (ValueError, AttributeError):
                     theirs = None
                 if theirs != self.root:
@@ -326,8 +336,10 @@ def _serve() -> None:
         os.nice(5)  # the engine's own work first
     except OSError:
         pass
+    t0 = time.perf_counter()
     _worker_init()
-    out.write(json.dumps({"memra": _memra_root()}) + "\n")
+    out.write(json.dumps({"memra": _memra_root(), "init_s": time.perf_counter() - t0,
+                          "torch": "torch" in sys.modules}) + "\n")
     out.flush()
     for line in sys.stdin:
         t = json.loads(line)
