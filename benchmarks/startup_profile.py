@@ -22,7 +22,7 @@ import tempfile
 import time
 
 
-def _child(path: str, max_model_len: int, top: int) -> dict:
+def _child(path: str, max_model_len: int, top: int, device: str) -> dict:
     t0 = time.perf_counter()
     imports = {}
 
@@ -45,7 +45,7 @@ def _child(path: str, max_model_len: int, top: int) -> dict:
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.enable()
-    llm = LLM(path, max_model_len=max_model_len)
+    llm = LLM(path, max_model_len=max_model_len, device=device)
     prof.disable()
     init_s = time.perf_counter() - t
     st = pstats.Stats(prof)
@@ -71,19 +71,25 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096 + 128)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--device", default=None,
+                   help="the engine's device (default: cuda when a GPU is visible, else cpu; LLM's own default is the CPU)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(_child(a.path, a.max_model_len, a.top)), flush=True)
+        print(json.dumps(_child(a.path, a.max_model_len, a.top, a.device)), flush=True)
         return
     if not os.path.isfile(a.path):
         raise SystemExit(f"startup_profile: {a.path} is not a file")
+    if a.device is None:
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     starts = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         for i in range(a.starts):
             r = subprocess.run([sys.executable, __file__, a.path, "--child", "--max-model-len", str(a.max_model_len),
-                                "--top", str(a.top)], capture_output=True, text=True, env=env)
+                                "--top", str(a.top), "--device", a.device], capture_output=True, text=True, env=env)
             if r.returncode != 0:
                 raise SystemExit(f"startup_profile: start {i} failed ({r.returncode}):\n{r.stderr[-3000:]}")
             s = json.loads(r.stdout.strip().splitlines()[-1])
