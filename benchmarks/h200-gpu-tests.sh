@@ -21,7 +21,7 @@ echo "$SHA  $SMOL" | sha256sum -c - || exit 1
 export MEMRA_SMOLLM2_GGUF=$SMOL
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py)  # every file that holds a GPU test
+FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py | LC_ALL=C sort)  # every file that holds a GPU test (one order on any machine: shards too)
 # SHARD=i/n: only every n-th of those files, from the i-th (1-based). The whole suite took 580+ s
 # on the H200 machine (384 s on an H100), past one device call's 600 s: run SHARD=1/2 and 2/2 in
 # two calls (the machine stays warm between them).

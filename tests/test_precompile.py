@@ -458,3 +458,23 @@ def test_describe_sums_the_passes_and_names_an_abandoned_one():
     assert describe([off, None]) == ""
     boom = PrecompileReport(kernels=3, skipped="record pass raised RuntimeError: boom")
     assert describe([a, boom]).endswith("; Triton precompile abandoned: record pass raised RuntimeError: boom")
+
+
+def test_triton_key_is_warmed_on_a_thread(monkeypatch):
+    """warm_triton_key: Triton's cache-key salt computed on a daemon thread (what the first kernel
+    lookup of a process would otherwise compute), nothing under the interpreter."""
+    from triton.runtime.cache import triton_key
+
+    from memra.kernels.precompile import warm_triton_key
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert warm_triton_key() is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = triton_key()
+    triton_key.cache_clear()
+    t = warm_triton_key()
+    assert t is not None and t.daemon
+    t.join(60)
+    assert not t.is_alive() and triton_key.cache_info().currsize == 1
+    hits = triton_key.cache_info().hits
+    assert triton_key() == want and triton_key.cache_info().hits == hits + 1  # computed by the thread

@@ -142,7 +142,11 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up (compiles the Triton kernels) and capture every bucket, largest first, in
-        one shared memory pool. Inputs are padding rows (context 0) while capturing."""
+        one shared memory pool. Inputs are padding rows (context 0) while capturing.
+
+        The first bucket runs twice before its capture (lazy state of any kind settles: library
+        handles and workspaces, kernel loads, allocator pools); each later one once (its own kernel
+        specializations load): a warm start spends most of this phase in the forwards' Python."""
         t0 = time.perf_counter()
         from ..kernels.precompile import precompile
 
@@ -152,7 +156,7 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved(self.device)
         pool = None
         for b in reversed(self.buckets):
-            for _ in range(2):
+            for _ in range(2 if pool is None else 1):
                 self._forward(b)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()

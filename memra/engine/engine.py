@@ -208,13 +208,18 @@ class EngineStats:
     spec_accepted_tokens: tuple[int, ...] = ()  # per draft position: drafts accepted there
 
 
-def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool):
+def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool, phase=None):
     """(model, checkpoint, tokenizer) of a model key, GGUF path or HF directory; on a GPU each layer
-    moves there as soon as it is built (the host never holds more than one layer's dequantized weights)."""
+    moves there as soon as it is built (the host never holds more than one layer's dequantized weights).
+    ``phase(name)`` (optional) is called after the weights ("weights") and the tokenizer ("tokenizer")."""
     local = Path(model).expanduser()
     path = local if local.is_dir() else resolve_model(str(model))
     m, ckpt = load_model(path, dtype, progress=progress, device=device if device.type == "cuda" else None)
+    if phase is not None:
+        phase("weights")
     tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_metadata(ckpt.metadata)
+    if phase is not None:
+        phase("tokenizer")
     return m, ckpt, tok
 
 
@@ -276,16 +281,20 @@ class LLMEngine:
         device = torch.device(cfg.device)
         # a parallel run shards the CPU-loaded model, then moves each shard to its rank's device
         load_device = torch.device("cpu") if cfg.parallel else device
+        #: seconds of each start-up phase, in order (``kv_cache_summary`` prints them)
+        self.startup_seconds: dict[str, float] = {}
+        self._phase_t = t0
         if model is None:
-            model, self.checkpoint, tokenizer = _load(cfg.model, dtype, load_device, progress)
+            if device.type == "cuda":  # Triton's cache-key salt, hashed while the weights are read
+                from ..kernels.precompile import warm_triton_key
+
+                warm_triton_key()
+            model, self.checkpoint, tokenizer = _load(cfg.model, dtype, load_device, progress, self._phase)
             self.model_name = str(cfg.model)
         else:
             self.model_name = str(cfg.model)
             if load_device.type == "cuda" and getattr(model.lm_head, "kernel", None) != "gpu":
                 model.to_gpu(device, dtype)
-        #: seconds of each start-up phase, in order (``kv_cache_summary`` prints them)
-        self.startup_seconds: dict[str, float] = {}
-        self._phase_t = t0
         if cfg.parallel:  # rank 0 of a TP / EP run (memra/engine/tensor_parallel.py): shard, start the workers
             from .tensor_parallel import start
 
