@@ -265,6 +265,16 @@ def test_startup_phases_are_timed_and_summarised(gemma_tiny):
     assert f"start-up: {eng.load_seconds:.1f} s" in eng.kv_cache_summary()
 
 
+def test_an_engine_from_a_file_times_weights_and_tokenizer_apart(tmp_path):
+    """An engine that reads its model from a GGUF file: the weights' phase, then the tokenizer's,
+    first in its start-up phases (engine._load), and the phases still add up to the start-up."""
+    path = tiny_gguf(tmp_path / "gemma3.gguf", "gemma3", layers=2)
+    eng = LLMEngine(EngineConfig(model=str(path), block_size=4, max_model_len=64))
+    ph = eng.startup_seconds
+    assert list(ph)[:2] == ["weights", "tokenizer"] and ph["weights"] > 0 and ph["tokenizer"] > 0
+    assert sum(ph.values()) == pytest.approx(eng.load_seconds, abs=1e-6)
+
+
 def test_n_completions_share_the_prompt_and_differ(gemma_tiny):
     eng = make_engine(gemma_tiny, block_size=4, kv_cache_blocks=64, max_model_len=64)
     eng.add_request("x", list(range(3, 20)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8,
