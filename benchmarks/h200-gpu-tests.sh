@@ -3,7 +3,7 @@
 # wheels carried in .wheels/ into /tmp/site, rebuilds smollm2-135m's GGUF from the chunks in
 # /tmp/memra-model (sent by earlier calls: split -b 60M) and checks its sha256, then runs
 # `python -m pytest -m gpu` over every GPU test file, writing the log under $OUT.
-# Usage (on the device): [SHARD=i/n] bash benchmarks/h200-gpu-tests.sh [pytest args...]
+# Usage (on the device): [SHARD=i/n] [MEMRA_GPU_TEST_FILES=...] bash benchmarks/h200-gpu-tests.sh [pytest args...]
 # .wheels/ (ignored; gone on a fresh workstation): what the device image lacks, fetched here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #     --platform manylinux2014_x86_64 -d .wheels gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0
@@ -22,6 +22,8 @@ export MEMRA_SMOLLM2_GGUF=$SMOL
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py | LC_ALL=C sort)  # every file that holds a GPU test (one order on any machine: shards too)
+# MEMRA_GPU_TEST_FILES="tests/a.py tests/b.py": only those files (a split chosen by hand).
+FILES=${MEMRA_GPU_TEST_FILES:-$FILES}
 # SHARD=i/n: only every n-th of those files, from the i-th (1-based). The whole suite took 580+ s
 # on the H200 machine (384 s on an H100), past one device call's 600 s: run SHARD=1/2 and 2/2 in
 # two calls (the machine stays warm between them).
