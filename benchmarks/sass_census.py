@@ -1,0 +1,286 @@
+"""Static census of the MoE decode GEMV's K loop for sm_90, on a machine without a GPU (issue 14).
+
+Question: how many instructions does each weight cost in the hot loop of memra's NVFP4 MoE decode
+kernels, and how many would an int8-activation path (llama.cpp's MMVQ recipe: activations
+quantized to int8 per 16-block, codes looked up as int8 with PRMT, products summed with DP4A)
+cost at the same tile? The decode GEMV at T = 1 is bound by instruction issue at low occupancy
+(ncu: ~40 % of issue slots busy, 168 registers), so instructions per weight is the number that
+prices a change before any GPU time is spent.
+
+Each kernel is compiled with Triton for ``GPUTarget("cuda", 90, 32)`` (Triton's bundled ptxas; no
+driver needed), disassembled with its bundled ``nvdisasm``, and every loop (a backward branch) is
+counted: body size and the most frequent opcodes. Kernels:
+
+- ``gate_up`` / ``down``: memra's ``_moe_gate_up_kernel`` / ``_moe_down_kernel`` at the flagship
+  shape (D 4096, I 1280), nvfp4, fp16x2 path, T = 1 defaults (64 weight rows x 512 / 256 K per step).
+- ``q8_dp4a``: a prototype GEMV loop, same tile (64 rows x 512 K, 4 warps, codes prefetched one
+  step ahead in registers): per 32-bit word of 8 E2M1 codes, two PRMT lookups in a table of
+  E2M1 x 2 magnitudes and two in the table of their negatives (one per 4 codes each), two PRMT
+  byte selects by the sign bits, two DP4A against int8 activations; per 16-block, the int32 sum
+  times (UE4M3 scale x the activations' block scale). A probe, not a memra kernel: its lookup is
+  checked here against the E2M1 values by an exact integer model of PRMT and DP4A (PTX ISA,
+  "prmt", "dp4a"), and the SASS count is the result; it has not run on a GPU.
+
+Prints one line per loop and writes JSON. Usage: ``python3 benchmarks/sass_census.py [OUT.json]``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from memra.kernels import _moe_triton  # noqa: E402
+
+#: E2M1 code (sign bit 3, magnitude bits 0-2) -> value x 2, an integer in [-12, 12]
+E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+#: the lookup tables as PRMT operands (bytes 0-3 in the first word, 4-7 in the second)
+TABLES = (0x03020100, 0x0C080604, 0xFDFEFF00, 0xF4F8FAFC)
+
+# $0: int32 sum; $1: 8 codes (code i in nibble i); $2, $3: int8x4 activations of codes 0-3 and
+# 4-7; $4: int32 added; $5-$8: TABLES (registers: as immediates ptxas rebuilds them per use)
+_Q8_ASM = tl.constexpr("""
+{
+.reg .b32 m, mh, s, sh, p0, n0, p1, n1, a, b;
+and.b32 m, $1, 0x77777777;
+prmt.b32 p0, $5, $6, m;
+prmt.b32 n0, $7, $8, m;
+shr.u32 mh, m, 16;
+prmt.b32 p1, $5, $6, mh;
+prmt.b32 n1, $7, $8, mh;
+shr.u32 s, $1, 1;
+and.b32 s, s, 0x44444444;
+or.b32 s, s, 0x32103210;
+prmt.b32 a, p0, n0, s;
+shr.u32 sh, s, 16;
+prmt.b32 b, p1, n1, sh;
+dp4a.s32.s32 $0, a, $2, $4;
+dp4a.s32.s32 $0, b, $3, $0;
+}
+""")
+
+
+def prmt(a: int, b: int, c: int) -> int:
+    """PTX ``prmt.b32 d, a, b, c`` (default mode): byte i of d is byte c[4i+2:4i] of {b, a}
+    (a: bytes 0-3), or that byte's sign replicated when c[4i+3] is set; c's low 16 bits only."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    d = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        d |= byte << (8 * i)
+    return d
+
+
+def dp4a(a: int, b: int, c: int) -> int:
+    """PTX ``dp4a.s32.s32 d, a, b, c``: c + the sum of the four signed byte products."""
+    sa = np.array([a >> (8 * i) & 0xFF for i in range(4)], dtype=np.uint8).view(np.int8).astype(np.int64)
+    sb = np.array([b >> (8 * i) & 0xFF for i in range(4)], dtype=np.uint8).view(np.int8).astype(np.int64)
+    return int(c + (sa * sb).sum())
+
+
+def q8_word_model(q: int, xa: int, xb: int, acc: int) -> int:
+    """The integer model of ``_Q8_ASM`` (same steps, Python ints)."""
+    t0, t1, t2, t3 = TABLES
+    m = q & 0x77777777
+    p0, n0 = prmt(t0, t1, m), prmt(t2, t3, m)
+    p1, n1 = prmt(t0, t1, m >> 16), prmt(t2, t3, m >> 16)
+    s = ((q >> 1) & 0x44444444) | 0x32103210
+    return dp4a(prmt(p1, n1, s >> 16), xb, dp4a(prmt(p0, n0, s), xa, acc))
+
+
+def check_lookup(words: int = 2000, seed: int = 0) -> int:
+    """Compares the model with sum_i E2M1_X2[code_i] * x_i on random code words and int8 x;
+    returns the number of words checked. Raises AssertionError on the first mismatch."""
+    rng = np.random.default_rng(seed)
+    for _ in range(words):
+        q = int(rng.integers(0, 2**32))
+        x = rng.integers(-128, 128, size=8)
+        xw = x.astype(np.int8).view(np.uint8).astype(np.int64)
+        xa = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[:4])))
+        xb = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[4:])))
+        want = sum(E2M1_X2[(q >> (4 * i)) & 15] * int(x[i]) for i in range(8))
+        got = q8_word_model(q, xa, xb, 0)
+        assert got == want, (hex(q), x.tolist(), got, want)
+    return words
+
+
+@triton.jit
+def _q8_word(q, xa, xb, acc, t0, t1, t2, t3):
+    return tl.inline_asm_elementwise(_Q8_ASM, "=r,r,r,r,r,r,r,r,r", [q, xa, xb, acc, t0, t1, t2, t3],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ue4m3(b):
+    v = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where(b == 0x7F, 0.0, v)
+
+
+@triton.jit
+def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn, stride_sn,
+                    BN: tl.constexpr, BK: tl.constexpr):
+    # y[n] = sum over 16-blocks b of (sum_k E2M1_X2[code] * xq[k]) * ue4m3(s[n, b]) * xs[b]
+    # w: int32 [N, K / 8]; s: uint8 [N, K / 16]; x: int32 [K / 4] (int8 x 4); xs: fp32 [K / 16]
+    SB: tl.constexpr = BK // 16
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    n3 = rn[:, None, None]
+    rs = tl.arange(0, SB)
+    rw = rs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    t0 = tl.load(tab_ptr)
+    t1 = tl.load(tab_ptr + 1)
+    t2 = tl.load(tab_ptr + 2)
+    t3 = tl.load(tab_ptr + 3)
+    acc = tl.zeros([BN, SB], dtype=tl.float32)
+    q = tl.load(w_ptr + n3 * stride_wn + rw)
+    sb = tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]).to(tl.int32)
+    for k0 in tl.range(0, K, BK, num_stages=1):
+        kn = tl.minimum(k0 + BK, K - BK)  # the next step's codes, one step ahead in registers
+        qn = tl.load(w_ptr + n3 * stride_wn + kn // 8 + rw)
+        sbn = tl.load(s_ptr + rn[:, None] * stride_sn + kn // 16 + rs[None, :]).to(tl.int32)
+        xw = tl.load(x_ptr + k0 // 4 + rs[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2
+                     + tl.arange(0, 2)[None, None, :])
+        xa, xb = tl.split(xw)
+        d = _q8_word(q, xa[None, :, :], xb[None, :, :], tl.zeros([BN, SB, 2], dtype=tl.int32), t0, t1, t2, t3)
+        xsc = tl.load(xs_ptr + k0 // 16 + rs)
+        acc += tl.sum(d, axis=2).to(tl.float32) * (_ue4m3(sb) * xsc[None, :])
+        q = qn
+        sb = sbn
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1))
+
+
+def compile_sm90(fn, ptrs: dict, ints: dict, floats: set, const: dict, num_warps: int = 4):
+    """Triton-compiles ``fn`` for sm_90 (no GPU needed): ``ptrs`` name -> pointer type,
+    ``ints`` name -> a value (16-divisible ones get the divisibility hint), ``floats`` fp32 names,
+    ``const`` constexpr values (the rest take their defaults)."""
+    sig, attrs = {}, {}
+    const = dict(const)
+    for idx, arg in enumerate(fn.arg_names):
+        if arg in ptrs:
+            sig[arg] = ptrs[arg]
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        elif arg in ints:
+            sig[arg] = "i32"
+            if ints[arg] % 16 == 0:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+        elif arg in floats:
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "constexpr"
+            if arg not in const:
+                const[arg] = fn.params[idx].default
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+
+
+def sass_of(kernel) -> tuple[int, str]:
+    """(registers per thread, SASS text) of a compiled kernel, from Triton's bundled tools."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return int(re.search(r"REG:(\d+)", res).group(1)), sass
+
+
+def loops(sass: str) -> list[dict]:
+    """Every loop of the SASS (a branch back to an earlier label): its body's instruction count,
+    whether it holds no other loop, and its 12 most frequent opcodes (predicates and modifiers
+    stripped)."""
+    instrs, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            instrs.append(m.group(2).strip())
+    spans = []
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", ins)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            spans.append((labels[m.group(1)], i))
+    out = []
+    for lo, hi in spans:
+        body = instrs[lo:hi + 1]
+        ops: dict[str, int] = {}
+        for b in body:
+            op = re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+        inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
+        out.append({"instructions": len(body), "innermost": inner,
+                    "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])})
+    return out
+
+
+def kernels() -> dict:
+    """name -> (compiled kernel, weights per thread per loop step of the K loop)."""
+    i, d, warps = 1280, 4096, 4
+    gu = compile_sm90(
+        _moe_triton._moe_gate_up_kernel,
+        dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", act_ptr="*fp32", perm_ptr="*i32", se_ptr="*i32",
+             ss_ptr="*i32", sc_ptr="*i32"),
+        dict(topk=8, I=i, K=d, stride_x=d, stride_we=2 * i * d // 16, stride_wn=d // 16, stride_se=2 * i * d // 16,
+             stride_sn=d // 16), {"limit"},
+        dict(FMT=2, BA=32, U=16, G=32, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, HAS_LIMIT=True,
+             PREFETCH_TAIL=True, PDL=False), warps)
+    dn = compile_sm90(
+        _moe_triton._moe_down_kernel,
+        dict(act_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", y_ptr="*fp32", perm_ptr="*i32", wt_ptr="*fp32",
+             se_ptr="*i32", ss_ptr="*i32", sc_ptr="*i32"),
+        dict(topk=8, N=d, K=i, k_per_split=i, stride_we=d * i // 16, stride_wn=i // 16, stride_se=d * i // 16,
+             stride_sn=i // 16), set(),
+        dict(FMT=2, BN=64, G=16, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, ATOMIC=False,
+             PREFETCH_TAIL=True, PDL=False), warps)
+    q8 = compile_sm90(
+        _q8_gemv_kernel,
+        dict(w_ptr="*i32", s_ptr="*u8", x_ptr="*i32", xs_ptr="*fp32", tab_ptr="*i32", y_ptr="*fp32"),
+        dict(N=2 * i, K=d, stride_wn=d // 8, stride_sn=d // 16), set(), dict(BN=64, BK=512), warps)
+    threads = 32 * warps
+    return {"gate_up nvfp4 T=1 (fp16x2)": (gu, 64 * 512 / threads), "down nvfp4 T=1 (fp16x2)": (dn, 64 * 256 / threads),
+            "q8_dp4a prototype (64 x 512)": (q8, 64 * 512 / threads)}
+
+
+def main() -> int:
+    checked = check_lookup()
+    print(f"q8 lookup model: {checked} random code words x int8 activations equal sum E2M1 x 2 * x")
+    rows = []
+    for name, (k, per_thread) in kernels().items():
+        regs, sass = sass_of(k)
+        for lp in loops(sass):
+            if not lp["innermost"] or lp["instructions"] < 100:  # the K loop only (not the x-scale
+                continue  # pass, a bare branch, or the loop over a slot's tokens around the K loop)
+            per_w = lp["instructions"] / per_thread
+            rows.append({"kernel": name, "registers": regs, "weights_per_thread": per_thread,
+                         "instructions_per_weight": per_w, **lp})
+            print(f"{name}: {regs} registers; loop {lp['instructions']} instructions for {per_thread:.0f} weights "
+                  f"a thread = {per_w:.2f} per weight; {lp['ops']}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"bench": "sass_census", "target": "sm_90", "triton": triton.__version__,
+                       "lookup_words_checked": checked, "loops": rows}, f, indent=1)
+        print(f"JSON written to {sys.argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""benchmarks/sass_census.py on the CPU: the int8 lookup's integer model (PRMT tables, sign
+select, DP4A) against the E2M1 values, and the SASS loop finder on a hand-written listing."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_census.py"
+
+
+@pytest.fixture(scope="module")
+def census():
+    spec = importlib.util.spec_from_file_location("sass_census", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lookup_model_equals_the_e2m1_products(census):
+    assert census.check_lookup(words=300, seed=1) == 300
+    # every code in every nibble, against x = 1 in that position only
+    for code in range(16):
+        for pos in range(8):
+            x = np.zeros(8, dtype=np.int8)
+            x[pos] = 1
+            xw = x.view(np.uint8).astype(np.int64)
+            xa = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[:4])))
+            xb = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[4:])))
+            assert census.q8_word_model(code << (4 * pos), xa, xb, 5) == 5 + census.E2M1_X2[code]
+
+
+def test_lookup_check_fails_on_a_wrong_table(census, monkeypatch):
+    t = list(census.TABLES)
+    t[3] ^= 1  # -12 -> -11 in the negatives' table
+    monkeypatch.setattr(census, "TABLES", tuple(t))
+    with pytest.raises(AssertionError):
+        census.check_lookup(words=300, seed=1)
+
+
+def test_prmt_sign_replicate_mode(census):
+    # selector nibble 8 + i: byte i's sign bit replicated (PTX ISA, prmt default mode)
+    assert census.prmt(0x00800000, 0, 0x000A) == 0xFF
+    assert census.prmt(0x007F0000, 0, 0x000A) == 0x00
+    assert census.prmt(0x44332211, 0x88776655, 0x7531) == 0x88664422
+
+
+def test_loops_finds_nesting(census):
+    listing = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        "        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;",
+        ".L_x_1:",
+        "        /*0020*/                   LOP3.LUT R3, R3, 0xf, RZ, 0xc0, !PT ;",
+        "        /*0030*/                   LOP3.LUT R4, R3, 0xf, RZ, 0xc0, !PT ;",
+        "        /*0040*/              @P0 BRA `(.L_x_1) ;",
+        "        /*0050*/              @!P1 BRA `(.L_x_0) ;",
+        "        /*0060*/                   EXIT ;",
+    ])
+    got = census.loops(listing)
+    assert [(lp["instructions"], lp["innermost"]) for lp in got] == [(3, True), (5, False)]
+    assert got[0]["ops"] == {"LOP3": 2, "BRA": 1}
