@@ -7,9 +7,9 @@ cost at the same tile? The decode GEMV at T = 1 is bound by instruction issue at
 (ncu: ~40 % of issue slots busy, 168 registers), so instructions per weight is the number that
 prices a change before any GPU time is spent.
 
-Each kernel is compiled with Triton for ``GPUTarget("cuda", 90, 32)`` (Triton's bundled ptxas; no
-driver needed), disassembled with its bundled ``nvdisasm``, and every loop (a backward branch) is
-counted: body size and the most frequent opcodes. Kernels:
+Each kernel is compiled for sm_90 and disassembled on the CPU (:mod:`memra.kernels.sm90`: Triton's
+bundled ptxas and ``nvdisasm``, no driver), and the innermost loop holding the K loop is counted:
+body size and the most frequent opcodes. Kernels:
 
 - ``gate_up`` / ``down``: memra's ``_moe_gate_up_kernel`` / ``_moe_down_kernel`` at the flagship
   shape (D 4096, I 1280), nvfp4, fp16x2 path, T = 1 defaults (64 weight rows x 512 / 256 K per step).
@@ -28,20 +28,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from memra.kernels import _moe_triton  # noqa: E402
+from memra.kernels.sm90 import compile_sm90, loops, resources, sass  # noqa: E402
 
 #: E2M1 code (sign bit 3, magnitude bits 0-2) -> value x 2, an integer in [-12, 12]
 E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
@@ -162,76 +158,6 @@ def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn
     tl.store(y_ptr + rn, tl.sum(acc, axis=1))
 
 
-def compile_sm90(fn, ptrs: dict, ints: dict, floats: set, const: dict, num_warps: int = 4):
-    """Triton-compiles ``fn`` for sm_90 (no GPU needed): ``ptrs`` name -> pointer type,
-    ``ints`` name -> a value (16-divisible ones get the divisibility hint), ``floats`` fp32 names,
-    ``const`` constexpr values (the rest take their defaults)."""
-    sig, attrs = {}, {}
-    const = dict(const)
-    for idx, arg in enumerate(fn.arg_names):
-        if arg in ptrs:
-            sig[arg] = ptrs[arg]
-            attrs[(idx,)] = [["tt.divisibility", 16]]
-        elif arg in ints:
-            sig[arg] = "i32"
-            if ints[arg] % 16 == 0:
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-        elif arg in floats:
-            sig[arg] = "fp32"
-        else:
-            sig[arg] = "constexpr"
-            if arg not in const:
-                const[arg] = fn.params[idx].default
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
-
-
-def sass_of(kernel) -> tuple[int, str]:
-    """(registers per thread, SASS text) of a compiled kernel, from Triton's bundled tools."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return int(re.search(r"REG:(\d+)", res).group(1)), sass
-
-
-def loops(sass: str) -> list[dict]:
-    """Every loop of the SASS (a branch back to an earlier label): its body's instruction count,
-    whether it holds no other loop, and its 12 most frequent opcodes (predicates and modifiers
-    stripped)."""
-    instrs, labels = [], {}
-    for line in sass.splitlines():
-        m = re.match(r"\s*(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = len(instrs)
-            continue
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            instrs.append(m.group(2).strip())
-    spans = []
-    for i, ins in enumerate(instrs):
-        m = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", ins)
-        if m and m.group(1) in labels and labels[m.group(1)] < i:
-            spans.append((labels[m.group(1)], i))
-    out = []
-    for lo, hi in spans:
-        body = instrs[lo:hi + 1]
-        ops: dict[str, int] = {}
-        for b in body:
-            op = re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
-            ops[op] = ops.get(op, 0) + 1
-        inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
-        out.append({"instructions": len(body), "innermost": inner,
-                    "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])})
-    return out
-
-
 def kernels() -> dict:
     """name -> (compiled kernel, weights per thread per loop step of the K loop)."""
     i, d, warps = 1280, 4096, 4
@@ -240,21 +166,21 @@ def kernels() -> dict:
         dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", act_ptr="*fp32", perm_ptr="*i32", se_ptr="*i32",
              ss_ptr="*i32", sc_ptr="*i32"),
         dict(topk=8, I=i, K=d, stride_x=d, stride_we=2 * i * d // 16, stride_wn=d // 16, stride_se=2 * i * d // 16,
-             stride_sn=d // 16), {"limit"},
+             stride_sn=d // 16),
         dict(FMT=2, BA=32, U=16, G=32, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, HAS_LIMIT=True,
-             PREFETCH_TAIL=True, PDL=False), warps)
+             PREFETCH_TAIL=True, PDL=False), floats={"limit"}, num_warps=warps, num_stages=1)
     dn = compile_sm90(
         _moe_triton._moe_down_kernel,
         dict(act_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", y_ptr="*fp32", perm_ptr="*i32", wt_ptr="*fp32",
              se_ptr="*i32", ss_ptr="*i32", sc_ptr="*i32"),
         dict(topk=8, N=d, K=i, k_per_split=i, stride_we=d * i // 16, stride_wn=i // 16, stride_se=d * i // 16,
-             stride_sn=i // 16), set(),
+             stride_sn=i // 16),
         dict(FMT=2, BN=64, G=16, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, ATOMIC=False,
-             PREFETCH_TAIL=True, PDL=False), warps)
+             PREFETCH_TAIL=True, PDL=False), num_warps=warps, num_stages=1)
     q8 = compile_sm90(
         _q8_gemv_kernel,
         dict(w_ptr="*i32", s_ptr="*u8", x_ptr="*i32", xs_ptr="*fp32", tab_ptr="*i32", y_ptr="*fp32"),
-        dict(N=2 * i, K=d, stride_wn=d // 8, stride_sn=d // 16), set(), dict(BN=64, BK=512), warps)
+        dict(N=2 * i, K=d, stride_wn=d // 8, stride_sn=d // 16), dict(BN=64, BK=512), num_warps=warps, num_stages=1)
     threads = 32 * warps
     return {"gate_up nvfp4 T=1 (fp16x2)": (gu, 64 * 512 / threads), "down nvfp4 T=1 (fp16x2)": (dn, 64 * 256 / threads),
             "q8_dp4a prototype (64 x 512)": (q8, 64 * 512 / threads)}
@@ -265,8 +191,8 @@ def main() -> int:
     print(f"q8 lookup model: {checked} random code words x int8 activations equal sum E2M1 x 2 * x")
     rows = []
     for name, (k, per_thread) in kernels().items():
-        regs, sass = sass_of(k)
-        for lp in loops(sass):
+        regs, _ = resources(k)
+        for lp in loops(sass(k)):
             if not lp["innermost"] or lp["instructions"] < 100:  # the K loop only (not the x-scale
                 continue  # pass, a bare branch, or the loop over a slot's tokens around the K loop)
             per_w = lp["instructions"] / per_thread

@@ -1,7 +1,12 @@
-"""benchmarks/sass_census.py on the CPU: the int8 lookup's integer model (PRMT tables, sign
-select, DP4A) against the E2M1 values, and the SASS loop finder on a hand-written listing."""
+"""benchmarks/sass_census.py and memra.kernels.sm90 on the CPU: the int8 lookup's integer model
+(PRMT tables, sign select, DP4A) against the E2M1 values, the SASS loop finder on a hand-written
+listing, and the whole census compiled for sm_90 (a process without the Triton interpreter)."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +51,9 @@ def test_prmt_sign_replicate_mode(census):
     assert census.prmt(0x44332211, 0x88776655, 0x7531) == 0x88664422
 
 
-def test_loops_finds_nesting(census):
+def test_loops_finds_nesting():
+    from memra.kernels.sm90 import loops
+
     listing = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
         ".L_x_0:",
@@ -58,6 +65,37 @@ def test_loops_finds_nesting(census):
         "        /*0050*/              @!P1 BRA `(.L_x_0) ;",
         "        /*0060*/                   EXIT ;",
     ])
-    got = census.loops(listing)
+    got = loops(listing)
     assert [(lp["instructions"], lp["innermost"]) for lp in got] == [(3, True), (5, False)]
     assert got[0]["ops"] == {"LOP3": 2, "BRA": 1}
+
+
+def test_census_compiles_for_sm90(tmp_path):
+    out = tmp_path / "census.json"
+    code = (
+        "import runpy, sys, triton, triton.language as tl\n"
+        "from memra.kernels.sm90 import compile_sm90\n"
+        "@triton.jit\n"
+        "def k(x_ptr, n, B: tl.constexpr):\n"
+        "    tl.store(x_ptr + tl.arange(0, B), n)\n"
+        "try:\n"
+        "    compile_sm90(k, {'x_ptr': '*i32'}, {}, {'B': 16})\n"
+        "    raise SystemExit('no error for the unnamed argument n')\n"
+        "except ValueError as e:\n"
+        "    assert \"'n'\" in str(e), e\n"
+        f"sys.argv = ['sass_census', {str(out)!r}]\n"
+        f"runpy.run_path({str(_PATH)!r}, run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(_PATH.parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    script = tmp_path / "run_census.py"  # a file: @triton.jit needs the source of what it wraps
+    script.write_text(code)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         cwd=_PATH.parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["lookup_words_checked"] == 2000
+    names = [r["kernel"] for r in rep["loops"]]
+    assert len(names) == 3 and len(set(names)) == 3, names  # one K loop per kernel
+    for r in rep["loops"]:
+        assert r["innermost"] and r["instructions"] >= 100 and r["registers"] > 0, r

@@ -656,17 +656,12 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
     Raises: ValueError for an invalid config or under the interpreter; RuntimeError if the
     compile fails (the message is Triton's).
     """
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from . import _moe_prefill_triton as K
+    from .sm90 import compile_sm90, resources
 
     if not hasattr(K._moe_gate_up_kernel, "arg_names") or interpret_mode():
         raise ValueError("sm90_compile_report: the kernels were imported under TRITON_INTERPRET=1; run it in a "
@@ -708,42 +703,18 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
                    ATOMIC=cfg.combine == "atomic", EVEN_K=i % bk2 == 0, IEEE=x_dtype == "fp32" and not f8,
                    SCALAR_S=fmt == "fp8" and 128 % bn2 == 0,
                    SWAP=cfg.swap_ab if cfg.swap_ab_down is None else cfg.swap_ab_down, ASM=True)
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     out = {}
     opts = {"gate_up": dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             "down": dict(num_warps=cfg.num_warps_down or cfg.num_warps,
                          num_stages=cfg.num_stages_down or cfg.num_stages)}
     for name, fn, ptrs, ints, const in (("gate_up", K._moe_gate_up_kernel, a_sig, a_int, a_const),
                                         ("down", K._moe_down_kernel, b_sig, b_int, b_const)):
-        sig, attrs = {}, {}
-        for idx, arg in enumerate(fn.arg_names):
-            if arg in ptrs:
-                sig[arg] = ptrs[arg]
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-            elif arg in ints:
-                sig[arg] = "i32"
-                if ints[arg] % 16 == 0:
-                    attrs[(idx,)] = [["tt.divisibility", 16]]
-            elif arg in const:
-                sig[arg] = "constexpr"
-            else:  # limit
-                sig[arg] = "fp32"
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32),
-                               options=opts[name])
+            k = compile_sm90(fn, ptrs, ints, const, floats={"limit"}, **opts[name])
         except Exception as exc:  # noqa: BLE001 - Triton raises several types
             raise RuntimeError(f"sm90_compile_report: {name} kernel failed to compile for {fmt}, {cfg}: {exc}") from exc
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        try:
-            res = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                                 capture_output=True, text=True, check=False).stdout
-        finally:
-            os.unlink(f.name)
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        regs, stack = resources(k)
         ptx = k.asm["ptx"]
-        out[name] = dict(regs=int(m.group(1)) if m else -1, stack=int(m.group(2)) if m else -1,
-                         smem=int(k.metadata.shared), wgmma="wgmma" in ptx, cp_async="cp.async" in ptx,
-                         nan_dropping_minmax=len(re.findall(r"\b(?:min|max)\.f32\s", ptx)))
+        out[name] = dict(regs=regs, stack=stack, smem=int(k.metadata.shared), wgmma="wgmma" in ptx,
+                         cp_async="cp.async" in ptx, nan_dropping_minmax=len(re.findall(r"\b(?:min|max)\.f32\s", ptx)))
     return out
