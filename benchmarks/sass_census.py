@@ -3,9 +3,10 @@
 Question: how many instructions does each weight cost in the hot loop of memra's NVFP4 MoE decode
 kernels, and how many would an int8-activation path (llama.cpp's MMVQ recipe: activations
 quantized to int8 per 16-block, codes looked up as int8 with PRMT, products summed with DP4A)
-cost at the same tile? The decode GEMV at T = 1 is bound by instruction issue at low occupancy
-(ncu: ~40 % of issue slots busy, 168 registers), so instructions per weight is the number that
-prices a change before any GPU time is spent.
+cost at the same tile? At T = 1 a loop step of the decode GEMV lasts as long as its warps take to
+issue its instructions at low occupancy (168 registers, 3 warps a scheduler, ncu: ~40 % of issue
+slots busy; memra/kernels/NOTES.md), so instructions per weight prices a change before any GPU
+time is spent.
 
 Each kernel is compiled for sm_90 and disassembled on the CPU (:mod:`memra.kernels.sm90`: Triton's
 bundled ptxas and ``nvdisasm``, no driver), and the innermost loop holding the K loop is counted:
@@ -17,9 +18,10 @@ body size and the most frequent opcodes. Kernels:
   step ahead in registers): per 32-bit word of 8 E2M1 codes, two PRMT lookups in a table of
   E2M1 x 2 magnitudes and two in the table of their negatives (one per 4 codes each), two PRMT
   byte selects by the sign bits, two DP4A against int8 activations; per 16-block, the int32 sum
-  times (UE4M3 scale x the activations' block scale). A probe, not a memra kernel: its lookup is
-  checked here against the E2M1 values by an exact integer model of PRMT and DP4A (PTX ISA,
-  "prmt", "dp4a"), and the SASS count is the result; it has not run on a GPU.
+  times (UE4M3 scale x the activations' block scale). A probe, not a memra kernel: its PTX and an
+  exact integer model of it (PRMT and DP4A as the PTX ISA defines them) are rendered from one
+  step list, and the model is checked against the E2M1 values; the SASS count is the result; it
+  has not run on a GPU.
 
 Prints one line per loop and writes JSON. Usage: ``python3 benchmarks/sass_census.py [OUT.json]``
 """
@@ -44,27 +46,38 @@ E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 #: the lookup tables as PRMT operands (bytes 0-3 in the first word, 4-7 in the second)
 TABLES = (0x03020100, 0x0C080604, 0xFDFEFF00, 0xF4F8FAFC)
 
-# $0: int32 sum; $1: 8 codes (code i in nibble i); $2, $3: int8x4 activations of codes 0-3 and
-# 4-7; $4: int32 added; $5-$8: TABLES (registers: as immediates ptxas rebuilds them per use)
-_Q8_ASM = tl.constexpr("""
-{
-.reg .b32 m, mh, s, sh, p0, n0, p1, n1, a, b;
-and.b32 m, $1, 0x77777777;
-prmt.b32 p0, $5, $6, m;
-prmt.b32 n0, $7, $8, m;
-shr.u32 mh, m, 16;
-prmt.b32 p1, $5, $6, mh;
-prmt.b32 n1, $7, $8, mh;
-shr.u32 s, $1, 1;
-and.b32 s, s, 0x44444444;
-or.b32 s, s, 0x32103210;
-prmt.b32 a, p0, n0, s;
-shr.u32 sh, s, 16;
-prmt.b32 b, p1, n1, sh;
-dp4a.s32.s32 $0, a, $2, $4;
-dp4a.s32.s32 $0, b, $3, $0;
-}
-""")
+# The per-word lookup + dot, one program for both the PTX and its integer model (q8_word_model):
+# (op, destination, operands). $0: int32 sum; $1: 8 codes (code i in nibble i); $2, $3: int8x4
+# activations of codes 0-3 and 4-7; $4: int32 added; $5-$8: TABLES (registers: as immediates
+# inside the asm ptxas rebuilt them per use, 823 instructions a loop step instead of 725).
+Q8_STEPS = (
+    ("and", "m", "$1", 0x77777777),  # the magnitudes (signs off): PRMT selectors
+    ("prmt", "p0", "$5", "$6", "m"),  # codes 0-3: E2M1 x 2
+    ("prmt", "n0", "$7", "$8", "m"),  # codes 0-3: -(E2M1 x 2)
+    ("shr", "mh", "m", 16),  # PRMT reads its selector's low 16 bits only
+    ("prmt", "p1", "$5", "$6", "mh"),
+    ("prmt", "n1", "$7", "$8", "mh"),
+    ("shr", "s", "$1", 1),  # sign of code i to bit 2 of nibble i: byte i from p (0-3) or n (4-7)
+    ("and", "s", "s", 0x44444444),
+    ("or", "s", "s", 0x32103210),
+    ("prmt", "a", "p0", "n0", "s"),
+    ("shr", "sh", "s", 16),
+    ("prmt", "b", "p1", "n1", "sh"),
+    ("dp4a", "$0", "a", "$2", "$4"),
+    ("dp4a", "$0", "b", "$3", "$0"),
+)
+_PTX_OP = {"and": "and.b32", "or": "or.b32", "shr": "shr.u32", "prmt": "prmt.b32", "dp4a": "dp4a.s32.s32"}
+
+
+def q8_ptx(steps=Q8_STEPS) -> str:
+    """The inline PTX of ``steps``."""
+    regs = sorted({d for _, d, *_ in steps if not d.startswith("$")})
+    body = [f"{_PTX_OP[op]} {d}, " + ", ".join(hex(v) if isinstance(v, int) else v for v in srcs) + ";"
+            for op, d, *srcs in steps]
+    return "{\n.reg .b32 " + ", ".join(regs) + ";\n" + "\n".join(body) + "\n}"
+
+
+_Q8_ASM = tl.constexpr(q8_ptx())
 
 
 def prmt(a: int, b: int, c: int) -> int:
@@ -88,14 +101,29 @@ def dp4a(a: int, b: int, c: int) -> int:
     return int(c + (sa * sb).sum())
 
 
-def q8_word_model(q: int, xa: int, xb: int, acc: int) -> int:
-    """The integer model of ``_Q8_ASM`` (same steps, Python ints)."""
-    t0, t1, t2, t3 = TABLES
-    m = q & 0x77777777
-    p0, n0 = prmt(t0, t1, m), prmt(t2, t3, m)
-    p1, n1 = prmt(t0, t1, m >> 16), prmt(t2, t3, m >> 16)
-    s = ((q >> 1) & 0x44444444) | 0x32103210
-    return dp4a(prmt(p1, n1, s >> 16), xb, dp4a(prmt(p0, n0, s), xa, acc))
+def q8_word_model(q: int, xa: int, xb: int, acc: int, steps=Q8_STEPS) -> int:
+    """``steps`` (the PTX of ``_Q8_ASM``) run on Python ints: the int32 result."""
+    env = {"$1": q, "$2": xa, "$3": xb, "$4": acc, "$5": TABLES[0], "$6": TABLES[1], "$7": TABLES[2],
+           "$8": TABLES[3]}
+
+    def val(v):
+        return v if isinstance(v, int) else env[v]
+
+    for op, d, *srcs in steps:
+        a = [val(v) for v in srcs]
+        if op == "and":
+            r = a[0] & a[1]
+        elif op == "or":
+            r = a[0] | a[1]
+        elif op == "shr":
+            r = (a[0] & 0xFFFFFFFF) >> a[1]
+        elif op == "prmt":
+            r = prmt(*a)
+        else:  # dp4a
+            r = dp4a(*a) & 0xFFFFFFFF
+        env[d] = r
+    res = env["$0"]
+    return res - (1 << 32) if res >= 1 << 31 else res
 
 
 def check_lookup(words: int = 2000, seed: int = 0) -> int:

@@ -36,6 +36,20 @@ def test_lookup_model_equals_the_e2m1_products(census):
             assert census.q8_word_model(code << (4 * pos), xa, xb, 5) == 5 + census.E2M1_X2[code]
 
 
+def test_the_ptx_is_the_model(census, monkeypatch):
+    """_Q8_ASM is rendered from the step list the model runs: a step list with its positive
+    tables swapped gives other PTX and fails the check."""
+    assert census._Q8_ASM.value == census.q8_ptx()
+    assert census.q8_ptx().count("prmt.b32") == 6 and census.q8_ptx().count("dp4a.s32.s32") == 2
+    bad = tuple(("prmt", d, "$6", "$5", sel) if srcs[:2] == ["$5", "$6"] else (op, d, *srcs)
+                for op, d, *srcs in census.Q8_STEPS for sel in [srcs[-1]])
+    assert census.q8_ptx(bad) != census.q8_ptx()
+    monkeypatch.setattr(census, "Q8_STEPS", bad)
+    monkeypatch.setattr(census.q8_word_model, "__defaults__", (bad,))
+    with pytest.raises(AssertionError):
+        census.check_lookup(words=300, seed=1)
+
+
 def test_lookup_check_fails_on_a_wrong_table(census, monkeypatch):
     t = list(census.TABLES)
     t[3] ^= 1  # -12 -> -11 in the negatives' table
@@ -68,6 +82,20 @@ def test_loops_finds_nesting():
     got = loops(listing)
     assert [(lp["instructions"], lp["innermost"]) for lp in got] == [(3, True), (5, False)]
     assert got[0]["ops"] == {"LOP3": 2, "BRA": 1}
+    # two branches back to one label: one loop, to the last of them; uniform and divergent branches
+    listing = "\n".join([
+        ".L_x_3:",
+        "        /*0000*/                   IADD3 R2, R2, 0x1, RZ ;",
+        "        /*0010*/              @P0 BRA `(.L_x_3) ;",
+        "        /*0020*/                   IADD3 R3, R3, 0x1, RZ ;",
+        "        /*0030*/                   BRA.U !UP0, `(.L_x_3) ;",
+        ".L_x_4:",
+        "        /*0040*/                   FADD R4, R4, R5 ;",
+        "        /*0050*/                   BRA.DIV UR4, `(.L_x_4) ;",
+        "        /*0060*/                   EXIT ;",
+    ])
+    got = loops(listing)
+    assert [(lp["instructions"], lp["innermost"]) for lp in got] == [(4, True), (2, True)]
 
 
 def test_census_compiles_for_sm90(tmp_path):

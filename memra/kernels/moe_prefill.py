@@ -654,7 +654,8 @@ def sm90_compile_report(fmt: str, t: int, config: MoePrefillConfig | None = None
     the bundled ``cuobjdump``) as of Triton 3.6.
 
     Raises: ValueError for an invalid config or under the interpreter; RuntimeError if the
-    compile fails (the message is Triton's).
+    compile fails (the message is Triton's, or :func:`memra.kernels.sm90.compile_sm90`'s for an
+    argument it cannot classify); subprocess.CalledProcessError if Triton's cuobjdump fails.
     """
     import re
 

@@ -72,20 +72,27 @@ def _tool(kernel, *cmd: str) -> str:
 
 def resources(kernel) -> tuple[int, int]:
     """(registers per thread, bytes of local memory per thread: > 0 means spills) of a
-    :func:`compile_sm90` kernel, from ``cuobjdump --dump-resource-usage``; (-1, -1) if unparsed."""
+    :func:`compile_sm90` kernel, from ``cuobjdump --dump-resource-usage``; (-1, -1) if its output
+    names neither.
+
+    Raises: subprocess.CalledProcessError if cuobjdump fails."""
     m = re.search(r"REG:(\d+) STACK:(\d+)", _tool(kernel, "cuobjdump", "--dump-resource-usage"))
     return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
 
 
 def sass(kernel) -> str:
-    """The SASS listing (``nvdisasm -c``) of a :func:`compile_sm90` kernel."""
+    """The SASS listing (``nvdisasm -c``) of a :func:`compile_sm90` kernel.
+
+    Raises: subprocess.CalledProcessError if nvdisasm fails."""
     return _tool(kernel, "nvdisasm", "-c")
 
 
 def loops(listing: str) -> list[dict]:
-    """Every loop of a SASS listing (a branch back to an earlier label), in the order of their
-    branches: ``instructions`` (body size, the branch included), ``innermost`` (holds no other
-    loop) and ``ops`` (its 12 most frequent opcodes, predicates and modifiers stripped)."""
+    """Every loop of a SASS listing (a label some later ``BRA`` goes back to: ``@P0 BRA``,
+    ``BRA.U !UP0, ...``, ``BRA.DIV ...``), from the label to its last back branch, in the order of
+    those branches: ``instructions`` (body size, the branch included), ``innermost`` (holds no
+    other loop) and ``ops`` (its 12 most frequent opcodes, predicates and modifiers stripped).
+    Branches to a register address (``BRX``, ``JMP``) are not followed."""
     instrs, labels = [], {}
     for line in listing.splitlines():
         m = re.match(r"\s*(\.L_x_\d+):", line)
@@ -95,11 +102,12 @@ def loops(listing: str) -> list[dict]:
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             instrs.append(m.group(2).strip())
-    spans = []
+    ends: dict[int, int] = {}  # loop start -> its last back branch (a loop may branch back from several places)
     for i, ins in enumerate(instrs):
-        m = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", ins)
+        m = re.search(r"\bBRA(?:\.\w+)*\s+(?:[^`(;,]*,\s*)?`?\(?(\.L_x_\d+)", ins)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            spans.append((labels[m.group(1)], i))
+            ends[labels[m.group(1)]] = i
+    spans = sorted(ends.items(), key=lambda se: se[1])
     out = []
     for lo, hi in spans:
         ops: dict[str, int] = {}
