@@ -39,6 +39,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from memra.kernels import _moe_triton  # noqa: E402
+from memra.kernels._gemv_triton import _ue4m3_raw  # noqa: E402
 from memra.kernels.sm90 import compile_sm90, loops, resources, sass  # noqa: E402
 
 #: E2M1 code (sign bit 3, magnitude bits 0-2) -> value x 2, an integer in [-12, 12]
@@ -126,18 +127,21 @@ def q8_word_model(q: int, xa: int, xb: int, acc: int, steps=Q8_STEPS) -> int:
     return res - (1 << 32) if res >= 1 << 31 else res
 
 
-def check_lookup(words: int = 2000, seed: int = 0) -> int:
-    """Compares the model with sum_i E2M1_X2[code_i] * x_i on random code words and int8 x;
-    returns the number of words checked. Raises AssertionError on the first mismatch."""
+def pack_x(x) -> tuple[int, int]:
+    """Eight int8 activations -> the two int8x4 words ($2, $3 of _Q8_ASM), x[0] in the low byte."""
+    b = np.asarray(x, dtype=np.int64).astype(np.int8).view(np.uint8).astype(np.int64)
+    return tuple(int(sum(int(v) << (8 * i) for i, v in enumerate(b[j:j + 4]))) for j in (0, 4))
+
+
+def check_lookup(words: int = 2000, seed: int = 0, steps=Q8_STEPS) -> int:
+    """Compares the model of ``steps`` with sum_i E2M1_X2[code_i] * x_i on random code words and
+    int8 x; returns the number of words checked. Raises AssertionError on the first mismatch."""
     rng = np.random.default_rng(seed)
     for _ in range(words):
         q = int(rng.integers(0, 2**32))
         x = rng.integers(-128, 128, size=8)
-        xw = x.astype(np.int8).view(np.uint8).astype(np.int64)
-        xa = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[:4])))
-        xb = int(sum(int(v) << (8 * i) for i, v in enumerate(xw[4:])))
         want = sum(E2M1_X2[(q >> (4 * i)) & 15] * int(x[i]) for i in range(8))
-        got = q8_word_model(q, xa, xb, 0)
+        got = q8_word_model(q, *pack_x(x), 0, steps)
         assert got == want, (hex(q), x.tolist(), got, want)
     return words
 
@@ -149,15 +153,10 @@ def _q8_word(q, xa, xb, acc, t0, t1, t2, t3):
 
 
 @triton.jit
-def _ue4m3(b):
-    v = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.where(b == 0x7F, 0.0, v)
-
-
-@triton.jit
 def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn, stride_sn,
                     BN: tl.constexpr, BK: tl.constexpr):
-    # y[n] = sum over 16-blocks b of (sum_k E2M1_X2[code] * xq[k]) * ue4m3(s[n, b]) * xs[b]
+    # y[n] = sum over 16-blocks b of (sum_k E2M1_X2[code] * xq[k]) * ue4m3(s[n, b]) * xs[b] (up to the
+    # constant factor of _ue4m3_raw, which does not change the instruction count)
     # w: int32 [N, K / 8]; s: uint8 [N, K / 16]; x: int32 [K / 4] (int8 x 4); xs: fp32 [K / 16]
     SB: tl.constexpr = BK // 16
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -180,7 +179,7 @@ def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn
         xa, xb = tl.split(xw)
         d = _q8_word(q, xa[None, :, :], xb[None, :, :], tl.zeros([BN, SB, 2], dtype=tl.int32), t0, t1, t2, t3)
         xsc = tl.load(xs_ptr + k0 // 16 + rs)
-        acc += tl.sum(d, axis=2).to(tl.float32) * (_ue4m3(sb) * xsc[None, :])
+        acc += tl.sum(d, axis=2).to(tl.float32) * (_ue4m3_raw(sb) * xsc[None, :])
         q = qn
         sb = sbn
     tl.store(y_ptr + rn, tl.sum(acc, axis=1))
