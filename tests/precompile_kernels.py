@@ -92,6 +92,22 @@ def precompile_moe_decode_on_the_cpu(cache_dir: str, workers: int) -> dict:
     GPU: a fake sm_90 driver (tests/fake_cuda_driver.py) and CPU tensors. Run it in a fresh
     process. Returns the report's fields and what a second call (a warm start) reported."""
     import dataclasses
+
+    _fake_gpu(cache_dir)
+    import memra.kernels._moe_triton as m
+    from memra.kernels.precompile import precompile
+
+    calls = _moe_calls()
+    _ = m._moe_down_kernel.cache_key  # this process hashes down first; the workers in task order
+    cold = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
+    from memra.kernels.precompile import _take_compiled
+
+    _take_compiled()  # as a new process would be: nothing compiled in memory, all on disk
+    warm = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
+    return {"cold": cold, "warm": warm}
+
+
+def _fake_gpu(cache_dir: str) -> None:
     import os
 
     os.environ["TRITON_CACHE_DIR"] = cache_dir
@@ -99,12 +115,14 @@ def precompile_moe_decode_on_the_cpu(cache_dir: str, workers: int) -> dict:
     import fake_cuda_driver
 
     fake_cuda_driver.install()
+
+
+def _moe_calls() -> list:
+    """MoE decode calls (two formats, 1-3 tokens, with and without the SwiGLU limit) on CPU tensors."""
     import torch
     from moe_banks import banks
 
-    import memra.kernels._moe_triton as m
     from memra.kernels.moe_decode import moe_decode
-    from memra.kernels.precompile import precompile
 
     g = torch.Generator().manual_seed(0)
     calls = []
@@ -116,13 +134,44 @@ def precompile_moe_decode_on_the_cpu(cache_dir: str, workers: int) -> dict:
             w = torch.rand(t, 3, generator=g)
             for lim in (None, 7.0):
                 calls.append(lambda x=x, idx=idx, w=w, gu=gu, dn=dn, lim=lim: moe_decode(x, idx, w, gu, dn, lim))
-    _ = m._moe_down_kernel.cache_key  # this process hashes down first; the workers in task order
-    cold = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
-    from memra.kernels.precompile import _take_compiled
+    return calls
 
-    _take_compiled()  # as a new process would be: nothing compiled in memory, all on disk
-    warm = dataclasses.asdict(precompile(calls, "cuda", workers=workers))
-    return {"cold": cold, "warm": warm}
+
+def precompile_with_a_manifest_on_the_cpu(cache_dir: str) -> dict:
+    """precompile's manifest on a machine without a GPU (fake sm_90 driver, run in a fresh process):
+    the reports of (1) a first call with key "k" (records, compiles, writes the manifest); (2) a
+    call with "k" whose work raises if it runs at all (the manifest is used: no record pass);
+    (3) the same with another key (no manifest: the record pass runs and meets the error); (4) a
+    call with "k" after one of the manifest's kernels was deleted from the disk cache (the
+    manifest is ignored: the real calls are recorded and the missing kernel compiled). Each call
+    after the first starts with nothing compiled in memory, as a new process would."""
+    import dataclasses
+    import glob
+    import os
+    import shutil
+
+    _fake_gpu(cache_dir)
+    from memra.kernels.precompile import _take_compiled, precompile
+
+    calls = _moe_calls()
+    ran = []
+
+    def must_not_run():
+        ran.append(1)
+        raise RuntimeError("the record pass ran")
+
+    out = {"first": dataclasses.asdict(precompile(calls, "cuda", workers=1, manifest="k"))}
+    _take_compiled()
+    out["named"] = dataclasses.asdict(precompile([must_not_run], "cuda", workers=1, manifest="k"))
+    out["ran_after_named"] = len(ran)
+    _take_compiled()
+    out["other_key"] = dataclasses.asdict(precompile([must_not_run], "cuda", workers=1, manifest="other"))
+    out["ran_after_other_key"] = len(ran)
+    gone = sorted(glob.glob(os.path.join(cache_dir, "*", "_moe_down_kernel.json")))[0]
+    shutil.rmtree(os.path.dirname(gone))
+    _take_compiled()
+    out["stale"] = dataclasses.asdict(precompile(calls, "cuda", workers=1, manifest="k"))
+    return out
 
 
 CHAIN = """

@@ -172,6 +172,53 @@ def _precompile_on_the_cpu(cache_dir: str, workers: int) -> dict:  # (run in a f
     return precompile_moe_decode_on_the_cpu(cache_dir, workers)
 
 
+def _manifest_on_the_cpu(cache_dir: str) -> dict:  # (run in a fresh process)
+    from precompile_kernels import precompile_with_a_manifest_on_the_cpu
+
+    return precompile_with_a_manifest_on_the_cpu(cache_dir)
+
+
+def test_a_manifest_skips_the_record_pass_only_while_every_kernel_it_names_is_on_disk(tmp_path, monkeypatch):
+    """precompile(manifest=key) on a CPU with a fake sm_90 driver: the first call records and writes
+    the manifest; a second call with the key loads the kernels it names without running the work
+    at all (a warm start's record pass saved); another key runs the record pass; a kernel deleted
+    from the disk cache makes the manifest stale: recorded again, the missing kernel compiled."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        r = pool.submit(_manifest_on_the_cpu, str(tmp_path / "cache")).result(timeout=900)
+    first, named, other, stale = r["first"], r["named"], r["other_key"], r["stale"]
+    assert first["skipped"] is None and first["errors"] == [] and not first["from_manifest"], first
+    assert first["kernels"] >= 10 and first["on_disk"] == 0 and first["failed"] == 0 and first["record_s"] > 0, first
+    assert r["ran_after_named"] == 0  # the work never ran
+    assert named["from_manifest"] and named["skipped"] is None and named["errors"] == [], named
+    assert named["kernels"] == named["on_disk"] == named["cache_hits"] == first["kernels"], named
+    assert named["functions"] == first["functions"] and named["record_s"] == 0 and named["workers"] == 0, named
+    assert r["ran_after_other_key"] == 1 and not other["from_manifest"], other
+    assert other["skipped"] == "record pass raised RuntimeError: the record pass ran", other
+    assert not stale["from_manifest"] and stale["skipped"] is None and stale["errors"] == [], stale
+    assert stale["kernels"] == first["kernels"] and stale["on_disk"] == first["kernels"] - 1, stale
+    assert stale["workers"] == 1 and stale["cache_hits"] == stale["kernels"], stale
+
+
+def test_the_manifest_path_names_the_key_the_target_and_the_environment(monkeypatch, tmp_path):
+    from triton import knobs
+
+    from memra.kernels.precompile import _manifest_path
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    monkeypatch.delenv("MEMRA_BATCH_INVARIANT", raising=False)
+    a = _manifest_path("k", ["cuda", 90, 32])
+    assert a.startswith(str(tmp_path / "memra-precompile")) and a.endswith(".json")
+    assert _manifest_path("k", ["cuda", 90, 32]) == a
+    assert _manifest_path("k2", ["cuda", 90, 32]) != a
+    assert _manifest_path("k", ["cuda", 80, 32]) != a
+    monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
+    assert _manifest_path("k", ["cuda", 90, 32]) != a
+
+
 def test_a_hung_worker_is_killed_and_its_task_reported(monkeypatch):
     """A task past the timeout kills its worker; the task comes back failed, naming the timeout,
     and the pool still stops cleanly."""
@@ -456,6 +503,11 @@ def test_describe_sums_the_passes_and_names_an_abandoned_one():
     assert describe([warm]) == "; Triton kernels precompiled at start: 44 (44 on disk already) in 0.1 s on 0 processes"
     off = PrecompileReport(skipped="not a CUDA device, interpreter, or MEMRA_PRECOMPILE off")
     assert describe([off, None]) == ""
+    recorded = PrecompileReport(kernels=13, on_disk=13, record_s=0.25, load_s=0.1)
+    named = PrecompileReport(kernels=31, on_disk=31, load_s=0.2, from_manifest=True)
+    assert describe([recorded, named]) == ("; Triton kernels precompiled at start: 44 (44 on disk already) in 0.3 s on "
+                                           "0 processes, record passes 0.2 s, 31 of them named by the last start's "
+                                           "manifest (no record pass)")
     boom = PrecompileReport(kernels=3, skipped="record pass raised RuntimeError: boom")
     assert describe([a, boom]).endswith("; Triton precompile abandoned: record pass raised RuntimeError: boom")
 

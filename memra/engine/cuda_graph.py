@@ -140,9 +140,11 @@ class CudaGraphRunner:
         return self.model.logits(y), x
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, manifest: str | None = None) -> None:
         """Warm up (compiles the Triton kernels) and capture every bucket, largest first, in
-        one shared memory pool. Inputs are padding rows (context 0) while capturing.
+        one shared memory pool. Inputs are padding rows (context 0) while capturing. ``manifest``:
+        the key of the kernel precompile's manifest (:func:`memra.kernels.precompile.precompile`;
+        the buckets are added to it), None for none.
 
         The first bucket runs twice before its capture (lazy state of any kind settles: library
         handles and workspaces, kernel loads, allocator pools); each later one once (its own kernel
@@ -152,7 +154,7 @@ class CudaGraphRunner:
 
         # every bucket's kernels compiled in parallel first (the warm-up below then finds them)
         self.precompile = precompile([functools.partial(self._forward, b) for b in reversed(self.buckets)],
-                                     self.device)
+                                     self.device, manifest=manifest and f"{manifest}|buckets {self.buckets}")
         before = torch.cuda.memory_reserved(self.device)
         pool = None
         for b in reversed(self.buckets):

@@ -10,15 +10,17 @@ server (through async_engine.py) both drive this loop.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..hub import resolve_model
+from ..io.gguf import read_gguf
 from ..io.tokenizer import Tokenizer
 from ..kernels.batch_invariant import batch_invariant
-from ..models import load_model
+from ..models import load_gguf_model, load_model
 from .block_manager import KVCacheManager, kv_groups, plan_kv_blocks
 from .kv_cache import PagedBatch, PagedKVCache, SeqChunk, kv_storage_dtype
 from .model_runner import ModelRunner
@@ -211,13 +213,34 @@ class EngineStats:
 def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool, phase=None):
     """(model, checkpoint, tokenizer) of a model key, GGUF path or HF directory; on a GPU each layer
     moves there as soon as it is built (the host never holds more than one layer's dequantized weights).
-    ``phase(name)`` (optional) is called after the weights ("weights") and the tokenizer ("tokenizer")."""
+
+    The tokenizer is built on a second thread while the weights are read (a GGUF file's from its
+    header, read first): the weights' time is mostly file reads and copies, which release the GIL.
+    ``phase(name)`` (optional) is called after the weights ("weights") and after the tokenizer
+    ("tokenizer": the time it took beyond the weights). Errors are raised in the order of a
+    sequential load: a weights error first (the tokenizer thread is waited for), then a tokenizer error."""
     local = Path(model).expanduser()
     path = local if local.is_dir() else resolve_model(str(model))
-    m, ckpt = load_model(path, dtype, progress=progress, device=device if device.type == "cuda" else None)
-    if phase is not None:
-        phase("weights")
-    tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_metadata(ckpt.metadata)
+    ckpt = None
+    if path.is_file():  # the header now, so that the tokenizer can start before the weights
+        ckpt = read_gguf(path)
+        meta = ckpt.metadata
+
+        def build_tokenizer():
+            return Tokenizer.from_gguf_metadata(meta)
+    else:
+        def build_tokenizer():
+            return Tokenizer.from_hf_dir(path)
+    with ThreadPoolExecutor(1, thread_name_prefix="memra-tokenizer") as pool:
+        tok_future = pool.submit(build_tokenizer)
+        target = device if device.type == "cuda" else None
+        if ckpt is not None:
+            m, ckpt = load_gguf_model(path, dtype, ckpt=ckpt, progress=progress, device=target)
+        else:
+            m, ckpt = load_model(path, dtype, progress=progress, device=target)
+        if phase is not None:
+            phase("weights")
+        tok = tok_future.result()
     if phase is not None:
         phase("tokenizer")
     return m, ckpt, tok
@@ -354,7 +377,8 @@ class LLMEngine:
                                      * (1 + cfg.num_speculative_tokens)))
             graphs = CudaGraphRunner(model, self.cache, rows, -(-self.max_model_len // cfg.block_size),
                                      scratch_blocks=blocks)
-            graphs.capture()
+            key = self._precompile_key(device)
+            graphs.capture(manifest=key and f"{key}|CUDA graphs")
             self._phase("CUDA graphs")
             self.memory_report += (f"; CUDA graphs: {len(graphs.buckets)} batch sizes ({graphs.buckets[0]}.."
                                    f"{graphs.buckets[-1]}) in {graphs.capture_seconds:.1f} s, "
@@ -411,6 +435,20 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
 
+    def _precompile_key(self, device: torch.device) -> str | None:
+        """What decides which Triton kernels this engine's start launches (the key of the start-up
+        precompile's manifest, memra/kernels/precompile.py): the model file(s) (path, size,
+        modification time), the engine config, the weights' dtype, torch's version and the GPU
+        (name, SMs, memory). None for a model passed in as an object (nothing names it)."""
+        if self.checkpoint is None or getattr(self.checkpoint, "path", None) is None:
+            return None
+        p = Path(self.checkpoint.path)
+        files = [p] if p.is_file() else sorted(q for q in p.iterdir() if q.is_file())
+        stats = [(str(q.resolve()), q.stat().st_size, q.stat().st_mtime_ns) for q in files]
+        props = torch.cuda.get_device_properties(device)
+        return repr((stats, self.engine_config, str(self.model.dtype), torch.__version__, props.name,
+                     props.multi_processor_count, props.total_memory))
+
     def _gpu_kv_budget(self, groups, device: torch.device) -> int:
         """Bytes for the KV cache on a GPU: ``gpu_memory_utilization`` of the device's memory
         minus what is in use now (CUDA context, weights), the peak activations of one
@@ -437,7 +475,9 @@ class LLMEngine:
             from ..kernels.precompile import precompile
 
             # its kernels, compiled in parallel; the workers stay for the CUDA-graph capture's
-            self.precompile_reports.append(precompile([profile_step], device, keep_workers=True))
+            key = self._precompile_key(device)
+            self.precompile_reports.append(precompile([profile_step], device, keep_workers=True,
+                                                      manifest=key and f"{key}|profile step of {t} tokens"))
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)

@@ -29,6 +29,11 @@ of a 46 s start on the H100 for the 12-layer step35 file (46 specializations of 
 3. load: ``JITFunction.preload`` in this process finds each kernel in the disk cache and fills
    the kernel's in-memory cache, where the real run finds it.
 
+A warm start (every kernel on disk) spends this function's time in the record pass, a Python run of
+the work. With a ``manifest`` key (the engine passes one naming its model file, config and GPU) a
+call that recorded writes what it saw to a manifest in Triton's cache directory, and the next call
+with the same key loads the kernels it names without recording, while they are all on disk.
+
 Nothing here changes results: a specialization the record pass did not see, one a worker failed
 to compile (or took longer than :data:`TASK_TIMEOUT_S`) and one whose load failed all compile on
 first launch, as before; a record pass that raises is abandoned (the report says why) and the
@@ -77,7 +82,9 @@ class PrecompileReport:
     ``workers_ready_s``: seconds from the workers' start to the last one's hello (its imports:
     part of ``compile_s`` when this call started them); ``functions``: specializations per kernel
     (``"module:qualname"``); ``errors``: the distinct errors (workers' and loads'). ``skipped``: why
-    nothing was done (None when it ran)."""
+    nothing was done (None when it ran). ``from_manifest``: the specializations came from the
+    manifest of an earlier call with the same ``manifest`` key (no record pass ran; see
+    :func:`precompile`)."""
 
     kernels: int = 0
     on_disk: int = 0
@@ -92,6 +99,7 @@ class PrecompileReport:
     skipped: str | None = None
     functions: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    from_manifest: bool = False
 
 
 def precompile_enabled(device) -> bool:
@@ -135,7 +143,10 @@ def describe(reports: Iterable[PrecompileReport | None]) -> str:
                 + (f" (their start {max(r.workers_ready_s for r in done):.1f} s, the slowest kernel "
                    f"{max(r.slowest_s for r in done):.1f} s)" if any(r.workers for r in done) else "")
                 + (f", {sum(r.failed for r in done)} left to their first launch" if any(r.failed for r in done)
-                   else ""))
+                   else "")
+                + (f", record passes {sum(r.record_s for r in done):.1f} s" if any(r.record_s for r in done) else "")
+                + (f", {sum(r.kernels for r in done if r.from_manifest)} of them named by the last start's "
+                   f"manifest (no record pass)" if any(r.from_manifest for r in done) else ""))
     abandoned = [r.skipped for r in reports if r.skipped and r.skipped.startswith(_ABANDONED)]
     if abandoned:
         out += f"; Triton precompile abandoned: {abandoned[0]}"
@@ -401,7 +412,7 @@ def stop_workers() -> None:
 
 
 def precompile(calls: Iterable[Callable[[], object]], device, workers: int | None = None,
-               keep_workers: bool = False) -> PrecompileReport:
+               keep_workers: bool = False, manifest: str | None = None) -> PrecompileReport:
     """Record the not-yet-compiled Triton launches of ``calls`` (run in order in this thread,
     results dropped, kernels skipped), compile those missing from the disk cache in worker
     processes, and load them all here.
@@ -412,6 +423,16 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         workers: compile processes (>= 1) if none are running (default :func:`default_workers`).
         keep_workers: leave the workers running for a next call (:func:`stop_workers` ends them);
             by default they stop before this returns.
+        manifest: a key naming the work (the caller's: everything that decides which kernels
+            ``calls`` launch, e.g. the model file and the engine's config). A call whose record pass
+            went through with nothing left to first launch writes the specializations it saw to a
+            manifest in Triton's cache directory (``memra-precompile/``, under a hash of the key,
+            memra's and Triton's versions, memra's source files, the GPU target and the ``MEMRA_*``
+            environment). A later call with the same key whose manifest names only
+            kernels on disk skips the record pass, i.e. a Python run of ``calls`` (the warm start's
+            cost of this function), and only loads them. A manifest that is stale, unreadable or names
+            a kernel no longer on disk is ignored: the record pass runs. Never a question of
+            results, only of time: a kernel the manifest missed compiles at its first launch.
 
     Returns: a :class:`PrecompileReport`; a record pass that raised gives ``skipped`` with the error
     (the calls' real run, after this, meets it again if it is one).
@@ -430,6 +451,17 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         return PrecompileReport(skipped=f"Triton {triton.__version__} has no jit_cache_hook")
     if _RECORDER[0] is not None:
         return PrecompileReport(skipped="another record pass is running")
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    tgt = [target.backend, target.arch, target.warp_size]
+    mpath = _manifest_path(manifest, tgt) if manifest is not None else None
+    if mpath is not None:
+        report = _load_manifest(mpath, tgt)
+        if report is not None:
+            if not keep_workers:
+                stop_workers()
+            return report
     seen: dict[tuple[int, str], tuple[object, str, str]] = {}
     held = _take_compiled()  # (jit function, its kernel cache, the kernels taken out)
     compiled = {(id(jf), key) for jf, _, kernels in held for key in kernels}
@@ -466,10 +498,6 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         if not keep_workers:
             stop_workers()
         return PrecompileReport(kernels=len(seen), record_s=t1 - t0, skipped=failure, functions=functions)
-    from triton.runtime.driver import driver
-
-    target = driver.active.get_current_target()
-    tgt = [target.backend, target.arch, target.warp_size]
     try:
         settle_cache_keys()  # the workers' keys, whatever this process hashed first
     except Exception as e:  # noqa: BLE001 - then every kernel compiles here, on first launch, as without
@@ -511,11 +539,137 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
                 errors.add(f"load of {where}: {type(e).__name__}: {e}"[:2000])
     finally:
         knobs.compilation.listener = listener
+    if mpath is not None and not failed and not errors:
+        _write_manifest(mpath, [(where, spec) for _, where, spec in seen.values()])
     return PrecompileReport(kernels=len(seen), on_disk=len(seen) - len(missing), failed=failed,
                             cache_hits=sum(hits), record_s=t1 - t0, compile_s=t2 - t1,
                             load_s=time.perf_counter() - t2, workers=n, slowest_s=slowest,
                             workers_ready_s=ready, functions=functions,
                             errors=sorted(errors))
+
+
+# ---------------------------------------------------------------------------------------
+# the manifest: a warm start's record pass skipped
+
+_MANIFEST_DIR = "memra-precompile"
+
+
+def _manifest_path(key: str, target) -> str | None:
+    """Where the manifest of ``key`` lives: Triton's cache directory, ``memra-precompile/<sha256>.json``,
+    the hash over the key, the target, memra's and Triton's versions, every memra source file's
+    path, size and modification time (host code decides which kernels launch) and the ``MEMRA_*``
+    environment. None when Triton's cache directory is unknown."""
+    import hashlib
+
+    import triton
+    from triton import knobs
+
+    try:
+        base = knobs.cache.dir
+    except Exception:  # noqa: BLE001 - no cache directory: no manifest
+        return None
+    if not base:
+        return None
+    h = hashlib.sha256()
+    root = _memra_root()
+    for part in (key, repr(list(target)), triton.__version__, root):
+        h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+    for dirpath, dirnames, filenames in os.walk(root):  # the memra package directory
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(dirpath, name))
+                h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}:{st.st_size}:{st.st_mtime_ns}\0".encode(
+                    "utf-8", "surrogateescape"))
+    for k in sorted(os.environ):
+        if k.startswith("MEMRA_"):
+            h.update(f"{k}={os.environ[k]}\0".encode("utf-8", "surrogateescape"))
+    return os.path.join(base, _MANIFEST_DIR, h.hexdigest() + ".json")
+
+
+def _write_manifest(path: str, entries: list[tuple[str, str]]) -> None:
+    """Write ``[[where, spec], ...]`` to ``path`` (through a temporary file and a rename, so that a
+    reader never sees half of it); a failure to write is ignored (the next start records again)."""
+    import json
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": 1, "kernels": [list(e) for e in entries]}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _load_manifest(path: str, target) -> PrecompileReport | None:
+    """Load every specialization the manifest at ``path`` names and report it, or None (the caller
+    runs the record pass) when the manifest is missing, unreadable, names a function that is
+    gone, or a kernel not in the disk cache."""
+    import json
+
+    t0 = time.perf_counter()
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        entries = [(str(w), str(sp)) for w, sp in d["kernels"]] if d.get("version") == 1 else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if entries is None:
+        return None
+    try:
+        fns = [_jit_function(where) for where, _ in entries]
+        settle_cache_keys()
+    except Exception:  # noqa: BLE001 - a function gone or unhashable: record instead
+        return None
+    if not all(_on_disk(fn, spec, target) for fn, (_, spec) in zip(fns, entries)):
+        return None
+    from triton import knobs
+
+    t1 = time.perf_counter()
+    hits, errors = [], set()
+    listener = knobs.compilation.listener
+
+    def count(**kw):
+        hits.append(bool(kw.get("cache_hit")))
+        if listener is not None:
+            listener(**kw)
+
+    knobs.compilation.listener = count
+    try:
+        for fn, (where, spec) in zip(fns, entries):
+            try:
+                fn.preload(spec)
+            except Exception as e:  # noqa: BLE001 - left to its first launch
+                errors.add(f"load of {where}: {type(e).__name__}: {e}"[:2000])
+    finally:
+        knobs.compilation.listener = listener
+    functions: dict[str, int] = {}
+    for where, _ in entries:
+        functions[where] = functions.get(where, 0) + 1
+    return PrecompileReport(kernels=len(entries), on_disk=len(entries), cache_hits=sum(hits), compile_s=t1 - t0,
+                            load_s=time.perf_counter() - t1, functions=functions, errors=sorted(errors),
+                            from_manifest=True)
+
+
+def _jit_function(where: str):
+    """The ``@triton.jit`` function at ``"module:qualname"`` (through autotuner / heuristics wrappers).
+
+    Raises: LookupError: nothing there; ImportError: no such module."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    module, _, qualname = where.partition(":")
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part, None)
+    while fn is not None and not isinstance(fn, JITFunction):
+        fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
+    if fn is None:
+        raise LookupError(f"precompile: no Triton JIT function at {where}")
+    return fn
 
 
 def _decode(fn, spec: str, target) -> tuple[object, object, object]:
@@ -577,20 +731,11 @@ def compile_specialization(where: str, spec: str, target: tuple) -> float:
         LookupError: ``where`` names no JIT function.
         Whatever Triton's compiler raises.
     """
-    import importlib
-
     import triton
-    from triton.runtime.jit import JITFunction
 
     t0 = time.perf_counter()
-    module, _, qualname = where.partition(":")
-    fn = importlib.import_module(module)
-    for part in qualname.split("."):
-        fn = getattr(fn, part, None)
-    while fn is not None and not isinstance(fn, JITFunction):
-        fn = getattr(fn, "fn", None)  # an autotuner / heuristics wrapper
-    if fn is None:
-        raise LookupError(f"precompile: no Triton JIT function at {where}")
+    fn = _jit_function(where)
+    module = where.partition(":")[0]
     if module.startswith(__package__ + ".") and module not in _SETTLED:  # imported now (_worker_init failed it)
         settle_cache_keys()
     src, options, gpu = _decode(fn, spec, target)
