@@ -5,8 +5,11 @@ builds ``LLM(FILE, device="cuda")``; the parent times it from the process's star
 "ready" line (interpreter, imports, weights, KV-cache profile, CUDA graphs: what a user waits
 for). The child also reports its imports' seconds, the engine's start-up phases and the precompile
 reports. Every tree first gets one untimed start (it fills Triton's cache and, where the tree has
-one, the precompile manifest), then the timed starts alternate between the trees, so that a drift
-of the machine falls on both. No profiler runs (benchmarks/startup_profile.py has one, and it
+one, the precompile manifest), then the timed starts alternate between the trees (A B, B A, ...), so
+that a drift of the machine or a place in the order falls on all. Each start checks that it
+imported memra from its own tree. Compare ``ready_s``: a phase's meaning may differ between trees
+(since 12f447f the "tokenizer" phase is only the tokenizer's time beyond the weights, built
+alongside them). No profiler runs (benchmarks/startup_profile.py has one, and it
 inflates the Python-heavy phases).
 
 Prints a table (median seconds per tree and phase, ratio to the first tree) and writes JSON.
@@ -23,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 _CHILD = r"""
@@ -49,21 +53,26 @@ def start(tree: str, path: str, max_model_len: int, device: str = "cuda") -> dic
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree)] + [p for p in env.get("PYTHONPATH", "").split(
         os.pathsep) if p and os.path.abspath(p) != os.path.abspath(".")])
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(max_model_len), device], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-    report = None
-    for line in p.stdout:
-        if line.startswith("READY "):
-            ready = time.perf_counter() - t0
-            report = json.loads(line[6:])
-            report["ready_s"] = ready
-            break
-    p.stdout.close()
-    err = p.stderr.read()
-    p.wait()
+    with tempfile.TemporaryFile("w+") as errf:  # stderr to a file: a pipe read only at the end could fill and block
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(max_model_len), device], env=env,
+                             stdout=subprocess.PIPE, stderr=errf, text=True, cwd="/")
+        report = None
+        for line in p.stdout:
+            if line.startswith("READY "):
+                ready = time.perf_counter() - t0
+                report = json.loads(line[6:])
+                report["ready_s"] = ready
+                break
+        p.stdout.close()
+        p.wait()
+        errf.seek(0)
+        err = errf.read()
     if report is None:
         raise RuntimeError(f"start with {tree} failed (exit {p.returncode}): {err[-3000:]}")
+    want = os.path.join(os.path.abspath(tree), "memra") + os.sep
+    if not report["memra"].startswith(want):
+        raise RuntimeError(f"the start meant for {tree} imported memra from {report['memra']}")
     return report
 
 
@@ -88,7 +97,7 @@ def main() -> int:
         first[name] = start(d, a.path, a.max_model_len, a.device)
         print(f"{name}: first start {first[name]['ready_s']:.2f} s ({first[name]['memra']})", flush=True)
     for r in range(a.reps):
-        for name, d in trees:
+        for name, d in (trees if r % 2 == 0 else trees[::-1]):  # ABBA...: a drift or a place in the order falls on all
             rep = start(d, a.path, a.max_model_len, a.device)
             runs[name].append(rep)
             print(f"{name} #{r + 1}: ready {rep['ready_s']:.2f} s, torch import {rep['torch_import_s']:.2f}, "

@@ -143,8 +143,11 @@ def precompile_with_a_manifest_on_the_cpu(cache_dir: str) -> dict:
     call with "k" whose work raises if it runs at all (the manifest is used: no record pass);
     (3) the same with another key (no manifest: the record pass runs and meets the error); (4) a
     call with "k" after one of the manifest's kernels was deleted from the disk cache (the
-    manifest is ignored: the real calls are recorded and the missing kernel compiled). Each call
-    after the first starts with nothing compiled in memory, as a new process would."""
+    manifest is ignored: the real calls are recorded and the missing kernel compiled); and
+    ``after_load`` / ``in_memory`` / ``late``: a manifest written while every kernel was compiled in
+    this process already names them all, a call using it while they are in memory loads none, and
+    one after they were taken out of memory loads all. Calls start with nothing compiled in memory,
+    as a new process would, except where said."""
     import dataclasses
     import glob
     import os
@@ -167,6 +170,14 @@ def precompile_with_a_manifest_on_the_cpu(cache_dir: str) -> dict:
     _take_compiled()
     out["other_key"] = dataclasses.asdict(precompile([must_not_run], "cuda", workers=1, manifest="other"))
     out["ran_after_other_key"] = len(ran)
+    # a manifest written by a call after the kernels were compiled in this process names them too
+    _take_compiled()
+    precompile(calls, "cuda", workers=1)  # (loads them all into memory)
+    out["after_load"] = dataclasses.asdict(precompile(calls, "cuda", workers=1, manifest="late"))
+    out["in_memory"] = dataclasses.asdict(precompile([must_not_run], "cuda", workers=1, manifest="late"))
+    _take_compiled()
+    out["late"] = dataclasses.asdict(precompile([must_not_run], "cuda", workers=1, manifest="late"))
+    out["ran_after_late"] = len(ran)
     gone = sorted(glob.glob(os.path.join(cache_dir, "*", "_moe_down_kernel.json")))[0]
     shutil.rmtree(os.path.dirname(gone))
     _take_compiled()

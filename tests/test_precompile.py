@@ -197,6 +197,11 @@ def test_a_manifest_skips_the_record_pass_only_while_every_kernel_it_names_is_on
     assert named["kernels"] == named["on_disk"] == named["cache_hits"] == first["kernels"], named
     assert named["functions"] == first["functions"] and named["record_s"] == 0 and named["workers"] == 0, named
     assert r["ran_after_other_key"] == 1 and not other["from_manifest"], other
+    assert r["after_load"]["kernels"] == 0 and not r["after_load"]["from_manifest"], r["after_load"]  # all compiled before
+    assert r["in_memory"]["from_manifest"] and r["in_memory"]["kernels"] == 0, r["in_memory"]
+    late = r["late"]
+    assert r["ran_after_late"] == 1 and late["from_manifest"] and late["kernels"] == first["kernels"], late
+    assert late["cache_hits"] == late["kernels"] and late["functions"] == first["functions"], late
     assert other["skipped"] == "record pass raised RuntimeError: the record pass ran", other
     assert not stale["from_manifest"] and stale["skipped"] is None and stale["errors"] == [], stale
     assert stale["kernels"] == first["kernels"] and stale["on_disk"] == first["kernels"] - 1, stale
@@ -204,6 +209,8 @@ def test_a_manifest_skips_the_record_pass_only_while_every_kernel_it_names_is_on
 
 
 def test_the_manifest_path_names_the_key_the_target_and_the_environment(monkeypatch, tmp_path):
+    """The manifest's file name hashes the key, the target and the MEMRA_* / TRITON_* environment;
+    a memra file that cannot be read gives no manifest (None), not an error."""
     from triton import knobs
 
     from memra.kernels.precompile import _manifest_path
@@ -216,7 +223,21 @@ def test_the_manifest_path_names_the_key_the_target_and_the_environment(monkeypa
     assert _manifest_path("k2", ["cuda", 90, 32]) != a
     assert _manifest_path("k", ["cuda", 80, 32]) != a
     monkeypatch.setenv("MEMRA_BATCH_INVARIANT", "1")
-    assert _manifest_path("k", ["cuda", 90, 32]) != a
+    b = _manifest_path("k", ["cuda", 90, 32])
+    assert b not in (a, None)
+    monkeypatch.setenv("TRITON_DEBUG", "1")
+    assert _manifest_path("k", ["cuda", 90, 32]) not in (a, b, None)
+    import builtins
+
+    real_open = builtins.open
+
+    def refuse(f, *args, **kw):
+        if str(f).endswith("precompile.py"):
+            raise PermissionError(f)
+        return real_open(f, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    assert _manifest_path("k", ["cuda", 90, 32]) is None
 
 
 def test_a_hung_worker_is_killed_and_its_task_reported(monkeypatch):

@@ -64,6 +64,7 @@ _RECORDER: list[int | None] = [None]  # the thread id of the record pass in prog
 _ABANDONED = "record pass raised "  # how a report's ``skipped`` starts when the record pass raised
 _POOL: list = [None, 0]  # the workers and their number
 _SETTLED: set[str] = set()  # the kernel modules settle_cache_keys has seen
+_LOCK = threading.Lock()  # held by the precompile call in progress
 
 
 def recording() -> bool:
@@ -427,8 +428,9 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
             ``calls`` launch, e.g. the model file and the engine's config). A call whose record pass
             went through with nothing left to first launch writes the specializations it saw to a
             manifest in Triton's cache directory (``memra-precompile/``, under a hash of the key,
-            memra's and Triton's versions, memra's source files, the GPU target and the ``MEMRA_*``
-            environment). A later call with the same key whose manifest names only
+            Triton's version, the contents of memra's source files, the GPU target and the
+            ``MEMRA_*`` / ``TRITON_*`` environment): every launch it saw, kernels this process had
+            compiled before included. A later call with the same key whose manifest names only
             kernels on disk skips the record pass, i.e. a Python run of ``calls`` (the warm start's
             cost of this function), and only loads them. A manifest that is stale, unreadable or names
             a kernel no longer on disk is ignored: the record pass runs. Never a question of
@@ -449,8 +451,17 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
 
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         return PrecompileReport(skipped=f"Triton {triton.__version__} has no jit_cache_hook")
-    if _RECORDER[0] is not None:
-        return PrecompileReport(skipped="another record pass is running")
+    if not _LOCK.acquire(blocking=False):  # one at a time in a process: a record pass empties every kernel cache
+        return PrecompileReport(skipped="another precompile is running")
+    try:
+        return _precompile(calls, workers, keep_workers, manifest)
+    finally:
+        _LOCK.release()
+
+
+def _precompile(calls, workers, keep_workers, manifest) -> PrecompileReport:
+    # precompile's passes, under _LOCK
+    from triton import knobs
     from triton.runtime.driver import driver
 
     target = driver.active.get_current_target()
@@ -463,6 +474,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
                 stop_workers()
             return report
     seen: dict[tuple[int, str], tuple[object, str, str]] = {}
+    launched: dict[tuple[int, str], tuple[str, str, str]] = {}  # every launch, compiled before or not (the manifest)
     held = _take_compiled()  # (jit function, its kernel cache, the kernels taken out)
     compiled = {(id(jf), key) for jf, _, kernels in held for key in kernels}
     me = threading.get_ident()
@@ -472,6 +484,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
         if threading.get_ident() != me:  # another thread's launch: as usual
             return previous(key=key, fn=fn, compile=compile, **kw) if previous is not None else None
         k = (id(fn.jit_function), str(key))
+        launched.setdefault(k, (f"{fn.module}:{fn.name}", compile["specialization_data"], str(key)))
         if k not in compiled:
             seen.setdefault(k, (fn.jit_function, f"{fn.module}:{fn.name}", compile["specialization_data"]))
         return True  # skip: neither compile nor launch
@@ -540,7 +553,7 @@ def precompile(calls: Iterable[Callable[[], object]], device, workers: int | Non
     finally:
         knobs.compilation.listener = listener
     if mpath is not None and not failed and not errors:
-        _write_manifest(mpath, [(where, spec) for _, where, spec in seen.values()])
+        _write_manifest(mpath, list(launched.values()))
     return PrecompileReport(kernels=len(seen), on_disk=len(seen) - len(missing), failed=failed,
                             cache_hits=sum(hits), record_s=t1 - t0, compile_s=t2 - t1,
                             load_s=time.perf_counter() - t2, workers=n, slowest_s=slowest,
@@ -556,9 +569,10 @@ _MANIFEST_DIR = "memra-precompile"
 
 def _manifest_path(key: str, target) -> str | None:
     """Where the manifest of ``key`` lives: Triton's cache directory, ``memra-precompile/<sha256>.json``,
-    the hash over the key, the target, memra's and Triton's versions, every memra source file's
-    path, size and modification time (host code decides which kernels launch) and the ``MEMRA_*``
-    environment. None when Triton's cache directory is unknown."""
+    the hash over the key, the target, Triton's version, the contents of memra's ``.py`` and
+    ``.json`` files (host code and tuned tables decide which kernels launch, with what) and the
+    ``MEMRA_*`` and ``TRITON_*`` environment. None when that cannot be computed (no cache
+    directory, a file that cannot be read)."""
     import hashlib
 
     import triton
@@ -566,41 +580,50 @@ def _manifest_path(key: str, target) -> str | None:
 
     try:
         base = knobs.cache.dir
-    except Exception:  # noqa: BLE001 - no cache directory: no manifest
+        if not base:
+            return None
+        h = hashlib.sha256()
+        root = _memra_root()
+        for part in (key, repr(list(target)), triton.__version__):
+            h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+        for dirpath, dirnames, filenames in os.walk(root):  # the memra package directory
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if name.endswith((".py", ".json")) and not name.startswith("."):
+                    f = os.path.join(dirpath, name)
+                    with open(f, "rb") as fh:
+                        data = fh.read()
+                    h.update(os.path.relpath(f, root).encode("utf-8", "surrogateescape") + b"\0"
+                             + len(data).to_bytes(8, "little") + data)
+        for k in sorted(os.environ):
+            if k.startswith(("MEMRA_", "TRITON_")):
+                h.update(f"{k}={os.environ[k]}\0".encode("utf-8", "surrogateescape"))
+        return os.path.join(base, _MANIFEST_DIR, h.hexdigest() + ".json")
+    except Exception:  # noqa: BLE001 - no manifest then: the record pass runs
         return None
-    if not base:
-        return None
-    h = hashlib.sha256()
-    root = _memra_root()
-    for part in (key, repr(list(target)), triton.__version__, root):
-        h.update(part.encode("utf-8", "surrogateescape") + b"\0")
-    for dirpath, dirnames, filenames in os.walk(root):  # the memra package directory
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                st = os.stat(os.path.join(dirpath, name))
-                h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}:{st.st_size}:{st.st_mtime_ns}\0".encode(
-                    "utf-8", "surrogateescape"))
-    for k in sorted(os.environ):
-        if k.startswith("MEMRA_"):
-            h.update(f"{k}={os.environ[k]}\0".encode("utf-8", "surrogateescape"))
-    return os.path.join(base, _MANIFEST_DIR, h.hexdigest() + ".json")
 
 
-def _write_manifest(path: str, entries: list[tuple[str, str]]) -> None:
-    """Write ``[[where, spec], ...]`` to ``path`` (through a temporary file and a rename, so that a
-    reader never sees half of it); a failure to write is ignored (the next start records again)."""
+def _write_manifest(path: str, entries: list[tuple[str, str, str]]) -> None:
+    """Write ``[[where, spec, key], ...]`` (``key``: the launch's in-memory cache key) to ``path``
+    through a temporary file and a rename, so that a reader never sees half of it (two engines
+    starting at once: the last rename wins, both whole); a failure to write is ignored (the next
+    start records again)."""
     import json
     import tempfile
 
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "kernels": [list(e) for e in entries]}, f)
+            json.dump({"version": 2, "kernels": [list(e) for e in entries]}, f)
         os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def _load_manifest(path: str, target) -> PrecompileReport | None:
@@ -613,17 +636,20 @@ def _load_manifest(path: str, target) -> PrecompileReport | None:
     try:
         with open(path) as f:
             d = json.load(f)
-        entries = [(str(w), str(sp)) for w, sp in d["kernels"]] if d.get("version") == 1 else None
+        entries = [(str(w), str(sp), str(k)) for w, sp, k in d["kernels"]] if d.get("version") == 2 else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if entries is None:
         return None
     try:
-        fns = [_jit_function(where) for where, _ in entries]
+        fns = [_jit_function(where) for where, _, _ in entries]
         settle_cache_keys()
     except Exception:  # noqa: BLE001 - a function gone or unhashable: record instead
         return None
-    if not all(_on_disk(fn, spec, target) for fn, (_, spec) in zip(fns, entries)):
+    # the ones this process has in memory already (an earlier call loaded them) are not loaded again
+    todo = [(fn, where, spec) for fn, (where, spec, key) in zip(fns, entries)
+            if not any(key in caches[0] for caches in fn.device_caches.values())]
+    if not all(_on_disk(fn, spec, target) for fn, _, spec in todo):
         return None
     from triton import knobs
 
@@ -638,7 +664,7 @@ def _load_manifest(path: str, target) -> PrecompileReport | None:
 
     knobs.compilation.listener = count
     try:
-        for fn, (where, spec) in zip(fns, entries):
+        for fn, where, spec in todo:
             try:
                 fn.preload(spec)
             except Exception as e:  # noqa: BLE001 - left to its first launch
@@ -646,9 +672,9 @@ def _load_manifest(path: str, target) -> PrecompileReport | None:
     finally:
         knobs.compilation.listener = listener
     functions: dict[str, int] = {}
-    for where, _ in entries:
+    for _, where, _ in todo:
         functions[where] = functions.get(where, 0) + 1
-    return PrecompileReport(kernels=len(entries), on_disk=len(entries), cache_hits=sum(hits), compile_s=t1 - t0,
+    return PrecompileReport(kernels=len(todo), on_disk=len(todo), cache_hits=sum(hits), compile_s=t1 - t0,
                             load_s=time.perf_counter() - t1, functions=functions, errors=sorted(errors),
                             from_manifest=True)
 
