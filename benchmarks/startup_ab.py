@@ -7,9 +7,10 @@ for). The child also reports its imports' seconds, the engine's start-up phases 
 reports. Every tree first gets one untimed start (it fills Triton's cache and, where the tree has
 one, the precompile manifest), then the timed starts alternate between the trees (A B, B A, ...), so
 that a drift of the machine or a place in the order falls on all. Each start checks that it
-imported memra from its own tree. Compare ``ready_s``: a phase's meaning may differ between trees
-(since 12f447f the "tokenizer" phase is only the tokenizer's time beyond the weights, built
-alongside them). No profiler runs (benchmarks/startup_profile.py has one, and it
+imported memra from its own tree. Compare ``ready_s`` first: a phase's meaning may differ between trees
+(at 12f447f..e5d58f3 the "tokenizer" phase was only the tokenizer's time beyond the weights,
+built alongside them), and ``torch_import_s`` varies by a second from start to start on the
+H100 host, so the engine's own part is ``ready_s - torch_import_s``. No profiler runs (benchmarks/startup_profile.py has one, and it
 inflates the Python-heavy phases).
 
 Prints a table (median seconds per tree and phase, ratio to the first tree) and writes JSON.

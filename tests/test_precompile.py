@@ -527,7 +527,7 @@ def test_describe_sums_the_passes_and_names_an_abandoned_one():
     recorded = PrecompileReport(kernels=13, on_disk=13, record_s=0.25, load_s=0.1)
     named = PrecompileReport(kernels=31, on_disk=31, load_s=0.2, from_manifest=True)
     assert describe([recorded, named]) == ("; Triton kernels precompiled at start: 44 (44 on disk already) in 0.3 s on "
-                                           "0 processes, record passes 0.2 s, 31 of them named by the last start's "
+                                           "0 processes, record passes 0.2 s, 31 of them named by an earlier start's "
                                            "manifest (no record pass)")
     boom = PrecompileReport(kernels=3, skipped="record pass raised RuntimeError: boom")
     assert describe([a, boom]).endswith("; Triton precompile abandoned: record pass raised RuntimeError: boom")

@@ -10,17 +10,15 @@ server (through async_engine.py) both drive this loop.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..hub import resolve_model
-from ..io.gguf import read_gguf
 from ..io.tokenizer import Tokenizer
 from ..kernels.batch_invariant import batch_invariant
-from ..models import load_gguf_model, load_model
+from ..models import load_model
 from .block_manager import KVCacheManager, kv_groups, plan_kv_blocks
 from .kv_cache import PagedBatch, PagedKVCache, SeqChunk, kv_storage_dtype
 from .model_runner import ModelRunner
@@ -213,34 +211,18 @@ class EngineStats:
 def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool, phase=None):
     """(model, checkpoint, tokenizer) of a model key, GGUF path or HF directory; on a GPU each layer
     moves there as soon as it is built (the host never holds more than one layer's dequantized weights).
+    ``phase(name)`` (optional) is called after the weights ("weights") and the tokenizer ("tokenizer").
 
-    The tokenizer is built on a second thread while the weights are read (a GGUF file's from its
-    header, read first): the weights' time is mostly file reads and copies, which release the GIL.
-    ``phase(name)`` (optional) is called after the weights ("weights") and after the tokenizer
-    ("tokenizer": the time it took beyond the weights). Errors are raised in the order of a
-    sequential load: a weights error first (the tokenizer thread is waited for), then a tokenizer error."""
+    The tokenizer is built after the weights, not beside them on a thread: on the H100 host that
+    measured a net loss (medians of 3 starts: weights phase +0.53 s against the tokenizer's 0.34 s;
+    likely the tokenizer's Python holding the GIL that the loading thread needs between its reads;
+    benchmarks/results/issue14/h100-startup-ab-12l-e5d58f3.json)."""
     local = Path(model).expanduser()
     path = local if local.is_dir() else resolve_model(str(model))
-    ckpt = None
-    if path.is_file():  # the header now, so that the tokenizer can start before the weights
-        ckpt = read_gguf(path)
-        meta = ckpt.metadata
-
-        def build_tokenizer():
-            return Tokenizer.from_gguf_metadata(meta)
-    else:
-        def build_tokenizer():
-            return Tokenizer.from_hf_dir(path)
-    with ThreadPoolExecutor(1, thread_name_prefix="memra-tokenizer") as pool:
-        tok_future = pool.submit(build_tokenizer)
-        target = device if device.type == "cuda" else None
-        if ckpt is not None:
-            m, ckpt = load_gguf_model(path, dtype, ckpt=ckpt, progress=progress, device=target)
-        else:
-            m, ckpt = load_model(path, dtype, progress=progress, device=target)
-        if phase is not None:
-            phase("weights")
-        tok = tok_future.result()
+    m, ckpt = load_model(path, dtype, progress=progress, device=device if device.type == "cuda" else None)
+    if phase is not None:
+        phase("weights")
+    tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_metadata(ckpt.metadata)
     if phase is not None:
         phase("tokenizer")
     return m, ckpt, tok

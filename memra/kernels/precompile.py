@@ -146,8 +146,8 @@ def describe(reports: Iterable[PrecompileReport | None]) -> str:
                 + (f", {sum(r.failed for r in done)} left to their first launch" if any(r.failed for r in done)
                    else "")
                 + (f", record passes {sum(r.record_s for r in done):.1f} s" if any(r.record_s for r in done) else "")
-                + (f", {sum(r.kernels for r in done if r.from_manifest)} of them named by the last start's "
-                   f"manifest (no record pass)" if any(r.from_manifest for r in done) else ""))
+                + (f", {sum(r.kernels for r in done if r.from_manifest)} of them named by an earlier "
+                   f"start's manifest (no record pass)" if any(r.from_manifest for r in done) else ""))
     abandoned = [r.skipped for r in reports if r.skipped and r.skipped.startswith(_ABANDONED)]
     if abandoned:
         out += f"; Triton precompile abandoned: {abandoned[0]}"
