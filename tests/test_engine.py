@@ -275,6 +275,33 @@ def test_an_engine_from_a_file_times_weights_and_tokenizer_apart(tmp_path):
     assert sum(ph.values()) == pytest.approx(eng.load_seconds, abs=1e-6)
 
 
+def test_the_precompile_key_names_the_file_the_config_and_the_gpu(tmp_path, monkeypatch, gemma_tiny):
+    """LLMEngine._precompile_key (the start-up precompile's manifest key): the same for the same
+    file, config and GPU; another when the file changes, the config differs or the GPU does; None
+    when the file is gone or the model came in as an object."""
+    import os
+    import types
+
+    path = tiny_gguf(tmp_path / "gemma3.gguf", "gemma3", layers=2)
+    eng = LLMEngine(EngineConfig(model=str(path), block_size=4, max_model_len=64))
+    gpu = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132, total_memory=80 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gpu)
+    dev = torch.device("cuda")
+    key = eng._precompile_key(dev)
+    assert key is not None and key == eng._precompile_key(dev) and str(path.resolve()) in key
+    other = LLMEngine(EngineConfig(model=str(path), block_size=4, max_model_len=32))
+    assert other._precompile_key(dev) != key
+    gpu.name = "NVIDIA H200"
+    assert eng._precompile_key(dev) != key
+    gpu.name = "NVIDIA H100 80GB HBM3"
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert eng._precompile_key(dev) not in (key, None)
+    path.unlink()
+    assert eng._precompile_key(dev) is None
+    assert make_engine(gemma_tiny, block_size=4, max_model_len=64)._precompile_key(dev) is None
+
+
 def test_n_completions_share_the_prompt_and_differ(gemma_tiny):
     eng = make_engine(gemma_tiny, block_size=4, kv_cache_blocks=64, max_model_len=64)
     eng.add_request("x", list(range(3, 20)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8,

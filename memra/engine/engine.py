@@ -421,12 +421,16 @@ class LLMEngine:
         """What decides which Triton kernels this engine's start launches (the key of the start-up
         precompile's manifest, memra/kernels/precompile.py): the model file(s) (path, size,
         modification time), the engine config, the weights' dtype, torch's version and the GPU
-        (name, SMs, memory). None for a model passed in as an object (nothing names it)."""
+        (name, SMs, memory). None for a model passed in as an object (nothing names it), or when
+        its files cannot be read any more."""
         if self.checkpoint is None or getattr(self.checkpoint, "path", None) is None:
             return None
         p = Path(self.checkpoint.path)
-        files = [p] if p.is_file() else sorted(q for q in p.iterdir() if q.is_file())
-        stats = [(str(q.resolve()), q.stat().st_size, q.stat().st_mtime_ns) for q in files]
+        try:
+            files = [p] if p.is_file() else sorted(q for q in p.iterdir() if q.is_file())
+            stats = [(str(q.resolve()), q.stat().st_size, q.stat().st_mtime_ns) for q in files]
+        except OSError:  # gone or unreadable since the load: no manifest (the record pass runs)
+            return None
         props = torch.cuda.get_device_properties(device)
         return repr((stats, self.engine_config, str(self.model.dtype), torch.__version__, props.name,
                      props.multi_processor_count, props.total_memory))
