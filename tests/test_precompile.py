@@ -213,6 +213,7 @@ def test_the_manifest_path_names_the_key_the_target_and_the_environment(monkeypa
     a memra file that cannot be read gives no manifest (None), not an error."""
     from triton import knobs
 
+    import memra.kernels.precompile as precompile_module
     from memra.kernels.precompile import _manifest_path
 
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
@@ -237,6 +238,7 @@ def test_the_manifest_path_names_the_key_the_target_and_the_environment(monkeypa
         return real_open(f, *args, **kw)
 
     monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(precompile_module, "_SOURCES", [])  # computed once per process: again here
     assert _manifest_path("k", ["cuda", 90, 32]) is None
 
 

@@ -309,6 +309,8 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         model.quantize_attention(cfg.attention_weights)
+        #: the key of the start-up precompile's manifests (GPU, one process): :meth:`_precompile_key`
+        self._start_key = self._precompile_key(device) if device.type == "cuda" and not cfg.parallel else None
         self._phase("weights")  # (read, repacked, sharded for a parallel run, attention quantized)
         self.eos_ids = sorted(set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         ctx = self.config.max_position_embeddings
@@ -359,7 +361,7 @@ class LLMEngine:
                                      * (1 + cfg.num_speculative_tokens)))
             graphs = CudaGraphRunner(model, self.cache, rows, -(-self.max_model_len // cfg.block_size),
                                      scratch_blocks=blocks)
-            key = self._precompile_key(device)
+            key = self._start_key
             graphs.capture(manifest=key and f"{key}|CUDA graphs")
             self._phase("CUDA graphs")
             self.memory_report += (f"; CUDA graphs: {len(graphs.buckets)} batch sizes ({graphs.buckets[0]}.."
@@ -461,7 +463,7 @@ class LLMEngine:
             from ..kernels.precompile import precompile
 
             # its kernels, compiled in parallel; the workers stay for the CUDA-graph capture's
-            key = self._precompile_key(device)
+            key = self._start_key
             self.precompile_reports.append(precompile([profile_step], device, keep_workers=True,
                                                       manifest=key and f"{key}|profile step of {t} tokens"))
         torch.cuda.synchronize(device)

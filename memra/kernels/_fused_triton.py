@@ -7,6 +7,20 @@ from ._pdl_triton import pdl_enter
 
 
 @triton.jit
+def _clamp_keep_nan(x, lo, hi):
+    # min(max(x, lo), hi) with NaN kept (as torch.clamp): PTX min.NaN / max.NaN, not min / max.f32,
+    # which return the other operand of a NaN
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _swiglu_limit(a, u, limit):
+    """The SwiGLU clamp of Step-3.5 (``swiglu_limits``): ``(min(a, limit), clamp(u, -limit, limit))``
+    for ``a = silu(gate)``, a NaN kept NaN; the product ``a * u`` is the caller's."""
+    return tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL), _clamp_keep_nan(u, -limit, limit)
+
+
+@triton.jit
 def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
                    PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -17,8 +31,7 @@ def _swiglu_kernel(gu_ptr, y_ptr, n, stride_g, stride_y, limit, HAS_LIMIT: tl.co
     u = tl.load(gu_ptr + row * stride_g + n + cols, mask=m, other=0.0).to(tl.float32)
     a = g / (1.0 + tl.exp(-g))
     if HAS_LIMIT:
-        a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
-        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+        a, u = _swiglu_limit(a, u, limit)
     tl.store(y_ptr + row * stride_y + cols, (a * u).to(y_ptr.dtype.element_ty), mask=m)
 
 

@@ -14,6 +14,7 @@ Three kernels:
 import triton
 import triton.language as tl
 
+from ._fused_triton import _clamp_keep_nan, _swiglu_limit
 from ._gemv_triton import _e2m1_scaled, _nvfp4_pairs, _ue4m3_raw
 from ._pdl_triton import pdl_enter
 
@@ -88,8 +89,7 @@ def _quant_groups(v, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
     amax = _nan_max(amax, 1e-10)
     s = amax / 448.0
     q = tl.math.div_rn(v3, s[:, :, None])
-    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                   propagate_nan=tl.PropagateNan.ALL)
+    q = _clamp_keep_nan(q, -448.0, 448.0)
     return tl.reshape(_to_e4m3(q, EXACT), [R, C]), s
 
 
@@ -395,8 +395,7 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, ids_ptr, 
             acc_u = acc_u * 256.0
         a = acc_g * tl.sigmoid(acc_g)
         if HAS_LIMIT:
-            a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+            a, acc_u = _swiglu_limit(a, acc_u, limit)
         a = a * acc_u
         rm64 = rm.to(tl.int64)
         sm = valid[:, None] & (j < I)[None, :]

@@ -6,6 +6,7 @@ the SwiGLU epilogue and the weighted combine (``_dot_cols`` is shared with the d
 import triton
 import triton.language as tl
 
+from ._fused_triton import _swiglu_limit
 from ._gemv_triton import _dot_cols, _put
 from ._pdl_triton import pdl_enter
 
@@ -16,8 +17,7 @@ def _act_store(ptr, y, ra, m, limit, BA: tl.constexpr, HAS_LIMIT: tl.constexpr):
     g, u = tl.split(tl.permute(tl.reshape(y, [2, BA]), (1, 0)))
     a = g * tl.sigmoid(g)
     if HAS_LIMIT:
-        a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.clamp keeps it
-        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+        a, u = _swiglu_limit(a, u, limit)
     tl.store(ptr + ra, a * u, mask=m)
 
 

@@ -504,9 +504,7 @@ def _precompile(calls, workers, keep_workers, manifest) -> PrecompileReport:
         for _, cache, kernels in held:
             cache.update(kernels)
     t1 = time.perf_counter()
-    functions: dict[str, int] = {}
-    for _, where, _ in seen.values():
-        functions[where] = functions.get(where, 0) + 1
+    functions = _functions(where for _, where, _ in seen.values())
     if failure is not None:
         if not keep_workers:
             stop_workers()
@@ -535,23 +533,7 @@ def _precompile(calls, workers, keep_workers, manifest) -> PrecompileReport:
     if not keep_workers:
         stop_workers()
     t2 = time.perf_counter()
-    hits = []
-    listener = knobs.compilation.listener
-
-    def count(**kw):  # Triton's compile listener: was each load a disk-cache hit?
-        hits.append(bool(kw.get("cache_hit")))
-        if listener is not None:
-            listener(**kw)
-
-    knobs.compilation.listener = count
-    try:
-        for jit_function, where, spec in seen.values():
-            try:
-                jit_function.preload(spec)  # a disk-cache hit, or this process compiles it
-            except Exception as e:  # noqa: BLE001 - left to its first launch, which reports a real error
-                errors.add(f"load of {where}: {type(e).__name__}: {e}"[:2000])
-    finally:
-        knobs.compilation.listener = listener
+    hits = _preload(seen.values(), errors)
     if mpath is not None and not failed and not errors:
         _write_manifest(mpath, list(launched.values()))
     return PrecompileReport(kernels=len(seen), on_disk=len(seen) - len(missing), failed=failed,
@@ -583,9 +565,29 @@ def _manifest_path(key: str, target) -> str | None:
         if not base:
             return None
         h = hashlib.sha256()
-        root = _memra_root()
-        for part in (key, repr(list(target)), triton.__version__):
+        for part in (key, repr(list(target)), triton.__version__, _sources_digest()):
             h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+        for k in sorted(os.environ):
+            if k.startswith(("MEMRA_", "TRITON_")):
+                h.update(f"{k}={os.environ[k]}\0".encode("utf-8", "surrogateescape"))
+        return os.path.join(base, _MANIFEST_DIR, h.hexdigest() + ".json")
+    except Exception:  # noqa: BLE001 - no manifest then: the record pass runs
+        return None
+
+
+_SOURCES: list[str] = []  # the digest of memra's sources, once per process
+
+
+def _sources_digest() -> str:
+    """SHA-256 of memra's ``.py`` and ``.json`` files (names and contents), computed once per
+    process: what runs is what was imported.
+
+    Raises: OSError: a file cannot be read."""
+    if not _SOURCES:
+        import hashlib
+
+        h = hashlib.sha256()
+        root = _memra_root()
         for dirpath, dirnames, filenames in os.walk(root):  # the memra package directory
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
             for name in sorted(filenames):
@@ -595,12 +597,8 @@ def _manifest_path(key: str, target) -> str | None:
                         data = fh.read()
                     h.update(os.path.relpath(f, root).encode("utf-8", "surrogateescape") + b"\0"
                              + len(data).to_bytes(8, "little") + data)
-        for k in sorted(os.environ):
-            if k.startswith(("MEMRA_", "TRITON_")):
-                h.update(f"{k}={os.environ[k]}\0".encode("utf-8", "surrogateescape"))
-        return os.path.join(base, _MANIFEST_DIR, h.hexdigest() + ".json")
-    except Exception:  # noqa: BLE001 - no manifest then: the record pass runs
-        return None
+        _SOURCES.append(h.hexdigest())
+    return _SOURCES[0]
 
 
 def _write_manifest(path: str, entries: list[tuple[str, str, str]]) -> None:
@@ -651,10 +649,22 @@ def _load_manifest(path: str, target) -> PrecompileReport | None:
             if not any(key in caches[0] for caches in fn.device_caches.values())]
     if not all(_on_disk(fn, spec, target) for fn, _, spec in todo):
         return None
+    t1 = time.perf_counter()
+    errors: set[str] = set()
+    hits = _preload(todo, errors)
+    return PrecompileReport(kernels=len(todo), on_disk=len(todo), cache_hits=sum(hits), compile_s=t1 - t0,
+                            load_s=time.perf_counter() - t1, functions=_functions(w for _, w, _ in todo),
+                            errors=sorted(errors), from_manifest=True)
+
+
+def _preload(items, errors: set[str]) -> list[bool]:
+    """``JITFunction.preload`` of each (function, where, spec): a disk-cache hit, or this process
+    compiles it; returns whether each load was a hit (Triton's compile listener) and adds a
+    failed load's error to ``errors`` (that kernel is left to its first launch, which reports a
+    real error)."""
     from triton import knobs
 
-    t1 = time.perf_counter()
-    hits, errors = [], set()
+    hits: list[bool] = []
     listener = knobs.compilation.listener
 
     def count(**kw):
@@ -664,19 +674,22 @@ def _load_manifest(path: str, target) -> PrecompileReport | None:
 
     knobs.compilation.listener = count
     try:
-        for fn, where, spec in todo:
+        for fn, where, spec in items:
             try:
                 fn.preload(spec)
             except Exception as e:  # noqa: BLE001 - left to its first launch
                 errors.add(f"load of {where}: {type(e).__name__}: {e}"[:2000])
     finally:
         knobs.compilation.listener = listener
-    functions: dict[str, int] = {}
-    for _, where, _ in todo:
-        functions[where] = functions.get(where, 0) + 1
-    return PrecompileReport(kernels=len(todo), on_disk=len(todo), cache_hits=sum(hits), compile_s=t1 - t0,
-                            load_s=time.perf_counter() - t1, functions=functions, errors=sorted(errors),
-                            from_manifest=True)
+    return hits
+
+
+def _functions(wheres) -> dict[str, int]:
+    """Specializations per kernel (``"module:qualname"``), for a report."""
+    out: dict[str, int] = {}
+    for where in wheres:
+        out[where] = out.get(where, 0) + 1
+    return out
 
 
 def _jit_function(where: str):
