@@ -23,7 +23,10 @@ body size and the most frequent opcodes. Kernels:
   step list, and the model is checked against the E2M1 values; the SASS count is the result; it
   has not run on a GPU.
 
-Prints one line per loop and writes JSON. Usage: ``python3 benchmarks/sass_census.py [OUT.json]``
+Prints one line per loop and writes JSON. Usage: ``python3 benchmarks/sass_census.py [OUT.json] [--caps]``
+(``--caps``: also each register cap of :data:`CAPS`: registers, spills, thread blocks per SM and the
+K loops' instructions, to choose the ``maxnreg1`` / ``maxnreg2`` caps of ``MoeDecodeConfig`` worth
+timing on a GPU).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from memra.kernels import _moe_triton  # noqa: E402
 from memra.kernels._gemv_triton import _ue4m3_raw  # noqa: E402
-from memra.kernels.sm90 import compile_sm90, loops, resources, sass  # noqa: E402
+from memra.kernels.sm90 import blocks_per_sm, compile_sm90, loops, resources, sass  # noqa: E402
 
 #: E2M1 code (sign bit 3, magnitude bits 0-2) -> value x 2, an integer in [-12, 12]
 E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
@@ -185,35 +188,87 @@ def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn
     tl.store(y_ptr + rn, tl.sum(acc, axis=1))
 
 
-def kernels() -> dict:
-    """name -> (compiled kernel, weights per thread per loop step of the K loop)."""
-    i, d, warps = 1280, 4096, 4
-    gu = compile_sm90(
+I_FLAG, D_FLAG, WARPS = 1280, 4096, 4  # the flagship's MoE shape; the decode kernels' 4 warps
+
+
+def gate_up(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
+    """memra's nvfp4 gate+up decode kernel (fp16x2 path, 32 act columns = 64 rows x 512 per step)
+    compiled for sm_90: ``nc`` tokens per chunk, register prefetch, register cap (moe_decode's
+    MoeDecodeConfig nc / prefetch / maxnreg1)."""
+    i, d = I_FLAG, D_FLAG
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return compile_sm90(
         _moe_triton._moe_gate_up_kernel,
         dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", act_ptr="*fp32", perm_ptr="*i32", se_ptr="*i32",
              ss_ptr="*i32", sc_ptr="*i32"),
         dict(topk=8, I=i, K=d, stride_x=d, stride_we=2 * i * d // 16, stride_wn=d // 16, stride_se=2 * i * d // 16,
              stride_sn=d // 16),
-        dict(FMT=2, BA=32, U=16, G=32, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, HAS_LIMIT=True,
-             PREFETCH_TAIL=True, PDL=False), floats={"limit"}, num_warps=warps, num_stages=1)
-    dn = compile_sm90(
+        dict(FMT=2, BA=32, U=16, G=32, GS=16, NC=nc, EVEN_K=True, ASM=True, F16=True, PREFETCH=prefetch,
+             HAS_LIMIT=True, PREFETCH_TAIL=prefetch, PDL=False), floats={"limit"}, num_warps=WARPS, num_stages=1,
+        **opts)
+
+
+def down(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
+    """memra's nvfp4 down decode kernel (fp16x2 path, 64 rows x 256 per step) for sm_90; arguments
+    as :func:`gate_up` (MoeDecodeConfig maxnreg2)."""
+    i, d = I_FLAG, D_FLAG
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return compile_sm90(
         _moe_triton._moe_down_kernel,
         dict(act_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", y_ptr="*fp32", perm_ptr="*i32", wt_ptr="*fp32",
              se_ptr="*i32", ss_ptr="*i32", sc_ptr="*i32"),
         dict(topk=8, N=d, K=i, k_per_split=i, stride_we=d * i // 16, stride_wn=i // 16, stride_se=d * i // 16,
              stride_sn=i // 16),
-        dict(FMT=2, BN=64, G=16, GS=16, NC=1, EVEN_K=True, ASM=True, F16=True, PREFETCH=True, ATOMIC=False,
-             PREFETCH_TAIL=True, PDL=False), num_warps=warps, num_stages=1)
+        dict(FMT=2, BN=64, G=16, GS=16, NC=nc, EVEN_K=True, ASM=True, F16=True, PREFETCH=prefetch, ATOMIC=False,
+             PREFETCH_TAIL=prefetch, PDL=False), num_warps=WARPS, num_stages=1, **opts)
+
+
+def kernels() -> dict:
+    """name -> (compiled kernel, weights per thread per loop step of the K loop)."""
+    i, d = I_FLAG, D_FLAG
     q8 = compile_sm90(
         _q8_gemv_kernel,
         dict(w_ptr="*i32", s_ptr="*u8", x_ptr="*i32", xs_ptr="*fp32", tab_ptr="*i32", y_ptr="*fp32"),
-        dict(N=2 * i, K=d, stride_wn=d // 8, stride_sn=d // 16), dict(BN=64, BK=512), num_warps=warps, num_stages=1)
-    threads = 32 * warps
-    return {"gate_up nvfp4 T=1 (fp16x2)": (gu, 64 * 512 / threads), "down nvfp4 T=1 (fp16x2)": (dn, 64 * 256 / threads),
+        dict(N=2 * i, K=d, stride_wn=d // 8, stride_sn=d // 16), dict(BN=64, BK=512), num_warps=WARPS, num_stages=1)
+    threads = 32 * WARPS
+    return {"gate_up nvfp4 T=1 (fp16x2)": (gate_up(), 64 * 512 / threads),
+            "down nvfp4 T=1 (fp16x2)": (down(), 64 * 256 / threads),
             "q8_dp4a prototype (64 x 512)": (q8, 64 * 512 / threads)}
 
 
-def main() -> int:
+#: (kernel, T it serves by default, nc, prefetch, register caps tried): the defaults of
+#: moe_decode.default_moe_config for nvfp4 (T = 1: one-token chunks with prefetch; T >= 2: two-token
+#: chunks without) and caps at the next whole blocks per SM
+CAPS = (("gate_up", "1", 1, True, (None, 128)), ("gate_up", ">=2", 2, False, (None, 128, 120)),
+        ("down", "1", 1, True, (None, 96, 80)), ("down", ">=2", 2, False, (None, 96, 80)))
+
+
+def caps() -> list[dict]:
+    """Register caps of the MoE decode kernels: per cap, the registers ptxas used, local memory
+    (spills), thread blocks per SM, and the K loops' instructions and spill loads/stores."""
+    rows = []
+    for name, t, nc, pf, regs_tried in CAPS:
+        for cap in regs_tried:
+            k = (gate_up if name == "gate_up" else down)(nc, pf, cap)
+            regs, stack = resources(k)
+            lps = [lp for lp in loops(sass(k)) if lp["innermost"] and lp["instructions"] >= 100]
+            rows.append({"kernel": name, "T": t, "nc": nc, "prefetch": pf, "maxnreg": cap, "registers": regs,
+                         "local_bytes": stack, "blocks_per_sm": blocks_per_sm(regs, WARPS, k.metadata.shared),
+                         "k_loops": [{"instructions": lp["instructions"], "local": lp["local"]} for lp in lps]})
+            r = rows[-1]
+            print(f"{name} T {t} (nc {nc}, prefetch {pf}) maxnreg {cap}: {regs} registers, {stack} B local, "
+                  f"{r['blocks_per_sm']} blocks/SM; K loops (instructions, LDL+STL): "
+                  + ", ".join(f"({x['instructions']}, {x['local']})" for x in r["k_loops"]), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", help="JSON file to write")
+    ap.add_argument("--caps", action="store_true", help="also the register caps of the MoE decode kernels")
+    args = ap.parse_args(argv)
     checked = check_lookup()
     print(f"q8 lookup model: {checked} random code words x int8 activations equal sum E2M1 x 2 * x")
     rows = []
@@ -227,11 +282,14 @@ def main() -> int:
                          "instructions_per_weight": per_w, **lp})
             print(f"{name}: {regs} registers; loop {lp['instructions']} instructions for {per_thread:.0f} weights "
                   f"a thread = {per_w:.2f} per weight; {lp['ops']}")
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump({"bench": "sass_census", "target": "sm_90", "triton": triton.__version__,
-                       "lookup_words_checked": checked, "loops": rows}, f, indent=1)
-        print(f"JSON written to {sys.argv[1]}")
+    out = {"bench": "sass_census", "target": "sm_90", "triton": triton.__version__, "lookup_words_checked": checked,
+           "loops": rows}
+    if args.caps:
+        out["caps"] = caps()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"JSON written to {args.out}")
     return 0
 
 

@@ -233,6 +233,41 @@ def test_combine_modes_and_batch_invariance(fmt):
         moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, combine="tree"))
 
 
+def test_register_caps_reach_the_launches(monkeypatch):
+    """``maxnreg1`` / ``maxnreg2`` go to the gate+up / down launches as Triton's ``maxnreg`` (left
+    out when None); results unchanged (the cap changes register allocation, not the arithmetic);
+    a cap that is not an int in 24..255 is refused by name."""
+    import memra.kernels.moe_decode as md
+
+    seen = []
+
+    class Spy:
+        def __init__(self, k):
+            self.k = k
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((self.k.__name__, kw.get("maxnreg", "absent")))
+                return self.k[grid](*a, **kw)
+            return launch
+
+    real = md._kernels()
+    monkeypatch.setattr(md, "_kernels", lambda: tuple(Spy(k) for k in real))
+    gu, down, _ = _banks("nvfp4", _i("nvfp4"), seed=14)
+    g = torch.Generator().manual_seed(15)
+    index, weight = _routing(3, 2, 6, g)
+    x = torch.randn(3, D, generator=g)
+    cfg = _big_tiles("nvfp4", 3, _i("nvfp4"))
+    y0 = moe_decode(x, index, weight, gu, down, 0.5, config=cfg)
+    y1 = moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, maxnreg1=128, maxnreg2=96))
+    assert seen == [("_moe_gate_up_kernel", "absent"), ("_moe_down_kernel", "absent"),
+                    ("_moe_gate_up_kernel", 128), ("_moe_down_kernel", 96)]
+    assert torch.equal(y0, y1)
+    for bad in (16, 256, 128.0, True, "128"):
+        with pytest.raises(ValueError, match="invalid config"):
+            moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, maxnreg2=bad))
+
+
 def test_add_accumulates_onto_the_given_tensor():
     """``add=`` (the shared expert's output): y = routed sum + add, add itself untouched."""
     gu, down, _ = _banks("q8_0", _i("q8_0"), seed=10)
@@ -373,6 +408,26 @@ def test_flagship_shape(fmt, flagship_banks):
         assert _rel(yt, r) <= tol, (fmt, t, "triton grouping")
         y = moe_decode(x, index, weight, gu, down, 7.0)
         assert y.dtype == torch.bfloat16 and _rel(y, r) <= 1e-2, (fmt, t, _rel(y, r))
+
+
+@pytest.mark.gpu
+def test_flagship_register_caps(flagship_banks):
+    """The register caps the sweep tries (benchmarks/moe_occupancy_sweep.py ``maxnreg``, chosen by
+    ``benchmarks/sass_census.py --caps``) compile, run and give the uncapped kernels' bits at the
+    flagship shape (nvfp4, bf16 x, T = 1, 2, 4)."""
+    from memra.bench.common import random_routing
+
+    gu, down, gen = flagship_banks("nvfp4")
+    for t in (1, 2, 4):
+        index, weight = random_routing(t, 288, 8, "cuda", gen)
+        x = (torch.randn(t, 4096, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        r = moe_decode_ref(x.float(), index, weight, gu, down, 7.0)
+        base = default_moe_config("nvfp4", t, 8, 288, 1280, 4096)
+        y0 = moe_decode(x, index, weight, gu, down, 7.0, config=base)
+        for m1, m2 in ((128, None), (None, 96), (120, 80)):
+            y = moe_decode(x, index, weight, gu, down, 7.0,
+                           config=dataclasses.replace(base, maxnreg1=m1, maxnreg2=m2))
+            assert _rel(y, r) <= 1e-2 and torch.equal(y, y0), (t, m1, m2, _rel(y, r))
 
 
 @pytest.mark.gpu

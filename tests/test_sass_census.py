@@ -107,8 +107,14 @@ def test_census_compiles_for_sm90(tmp_path):
         "    raise SystemExit('no error for the unnamed argument n')\n"
         "except ValueError as e:\n"
         "    assert \"'n'\" in str(e), e\n"
+        "import importlib.util, json\n"  # one register cap (the down kernel compiles fastest): --caps's rows
+        f"spec = importlib.util.spec_from_file_location('sc', {str(_PATH)!r})\n"
+        "sc = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(sc)\n"
+        "sc.CAPS = (('down', '1', 1, True, (80,)),)\n"
+        f"open({str(tmp_path / 'caps.json')!r}, 'w').write(json.dumps(sc.caps()))\n"
         f"sys.argv = ['sass_census', {str(out)!r}]\n"
-        f"runpy.run_path({str(_PATH)!r}, run_name='__main__')\n"
+        f"runpy.run_path({str(_PATH)!r}, run_name='__main__')\n"  # ends in SystemExit(0)
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_PATH.parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -123,3 +129,21 @@ def test_census_compiles_for_sm90(tmp_path):
     assert len(names) == 3 and len(set(names)) == 3, names  # one K loop per kernel
     for r in rep["loops"]:
         assert r["innermost"] and r["instructions"] >= 100 and r["registers"] > 0, r
+    (cap,) = json.loads((tmp_path / "caps.json").read_text())
+    assert cap["maxnreg"] == 80 and 0 < cap["registers"] <= 80, cap  # ptxas kept to the cap
+    assert cap["blocks_per_sm"] >= 6 and len(cap["k_loops"]) == 1, cap
+
+
+def test_blocks_per_sm():
+    """sm_90 occupancy: registers in 256-register units per warp, 64 warps, 32 blocks, 228 KiB of
+    shared memory with 1 KiB reserved per block."""
+    from memra.kernels.sm90 import blocks_per_sm
+
+    assert blocks_per_sm(168, 4) == 3  # 168 * 32 = 5376 -> 5376 registers a warp: 65536 // 21504
+    assert blocks_per_sm(128, 4) == 4 and blocks_per_sm(80, 4) == 6 and blocks_per_sm(255, 4) == 2
+    assert blocks_per_sm(188, 4) == 2  # 6016 -> 6144 a warp
+    assert blocks_per_sm(32, 4) == 16  # 64 warps
+    assert blocks_per_sm(16, 1) == 32  # 32 blocks
+    assert blocks_per_sm(32, 4, shared_bytes=100 * 1024) == 2  # 228 KiB // 101 KiB
+    with pytest.raises(ValueError, match="registers 256"):
+        blocks_per_sm(256, 4)

@@ -469,6 +469,11 @@ class MoeDecodeConfig:
     and a token's result does not depend on the other tokens of the step (batch invariance;
     split_k is then 1); "atomic": fp32 atomic adds into [T, D] (the order of a token's k terms
     varies from run to run).
+    ``maxnreg1`` / ``maxnreg2``: registers per thread the gate+up / down kernel may use (ptxas
+    ``-maxrregcount``, Triton's ``maxnreg``; None: ptxas chooses). Fewer registers let more
+    programs share an SM (65536 registers each; ``benchmarks/sass_census.py`` prints the
+    registers, blocks per SM and spill loads in the K loop of each cap, compiled for sm_90 on
+    the CPU); a cap below what the kernel needs spills to local memory. Integers 24..255.
     """
 
     ba: int = 32
@@ -483,14 +488,17 @@ class MoeDecodeConfig:
     num_warps: int = 4
     group: str = "triton"
     combine: str = "sum"
+    maxnreg1: int | None = None
+    maxnreg2: int | None = None
 
 
 def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> MoeDecodeConfig:
     """Defaults (H200 sweep at the flagship shape, memra/bench/moe_census.py, and ptxas register
     counts): nvfp4 uses the fp16x2 path; at T = 1 (one token per slot) 32 act columns (64 weight
-    rows) x 512 per gate+up program and 64 rows x 256 per down program with prefetch (197 / 80
-    registers); at T >= 2 chunks of up to 2 tokens and no prefetch (188 / 124 registers, no
-    spills: with prefetch or 4-token chunks these tiles spill and ran 14 % slower at T = 2).
+    rows) x 512 per gate+up program and 64 rows x 256 per down program with prefetch (168 / 95
+    registers); at T >= 2 chunks of up to 2 tokens and no prefetch (168 / 128 registers; no
+    spill in the K loops: ``python3 benchmarks/sass_census.py --caps``, Triton 3.6; with prefetch or 4-token
+    chunks these tiles spill and ran 14 % slower at T = 2).
     fp8 (D, I multiples of 16): the fp16x2 path, 16 act columns (32 weight rows) x 256 codes per
     gate+up program, 64 rows x 256 per down program (H200 A/B at the flagship shape,
     benchmarks/results/issue14/fp8-moe-ab-h200.json: with 32 act columns 44.9 vs 67.9 µs for the
@@ -523,6 +531,11 @@ def wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
     ``add``, so a producer of ``add`` on another stream overlaps their routed-expert kernels."""
     if stream is not None:
         torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _maxnreg(regs: int | None) -> dict:
+    # Triton's launch option; left out when None, so uncapped launches keep their cache keys
+    return {} if regs is None else {"maxnreg": regs}
 
 
 def _kernels():
@@ -576,7 +589,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
             raise ValueError(f"moe_decode: block {bk} must be a power of two, a multiple of {gs} for {b.fmt} "
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
-            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")):
+            or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")
+            or any(r is not None and (type(r) is not int or not 24 <= r <= 255) for r in (cfg.maxnreg1, cfg.maxnreg2))):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
         x = x.contiguous()
@@ -620,7 +634,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
         GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
-        PREFETCH_TAIL=pf_tail, HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **pdl_args(x.device))
+        PREFETCH_TAIL=pf_tail, HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **_maxnreg(cfg.maxnreg1),
+        **pdl_args(x.device))
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
@@ -634,7 +649,7 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
         EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, PREFETCH_TAIL=pf_tail, ATOMIC=atomic,
-        num_warps=cfg.num_warps, **pdl_args(x.device))
+        num_warps=cfg.num_warps, **_maxnreg(cfg.maxnreg2), **pdl_args(x.device))
     if not atomic:
         from ._moe_prefill_triton import _moe_combine_kernel
 

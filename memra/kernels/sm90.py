@@ -91,7 +91,8 @@ def loops(listing: str) -> list[dict]:
     """Every loop of a SASS listing (a label some later ``BRA`` goes back to: ``@P0 BRA``,
     ``BRA.U !UP0, ...``, ``BRA.DIV ...``), from the label to its last back branch, in the order of
     those branches: ``instructions`` (body size, the branch included), ``innermost`` (holds no
-    other loop) and ``ops`` (its 12 most frequent opcodes, predicates and modifiers stripped).
+    other loop), ``ops`` (its 12 most frequent opcodes, predicates and modifiers stripped) and
+    ``local`` (its LDL + STL: spilled registers read or written inside the loop).
     Branches to a register address (``BRX``, ``JMP``) are not followed."""
     instrs, labels = [], {}
     for line in listing.splitlines():
@@ -116,5 +117,24 @@ def loops(listing: str) -> list[dict]:
             ops[op] = ops.get(op, 0) + 1
         inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
         out.append({"instructions": hi + 1 - lo, "innermost": inner,
-                    "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])})
+                    "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12]),
+                    "local": ops.get("LDL", 0) + ops.get("STL", 0)})
     return out
+
+
+def blocks_per_sm(regs: int, num_warps: int, shared_bytes: int = 0) -> int:
+    """Thread blocks of a kernel that fit one sm_90 SM at once (0: none), from the limits of
+    compute capability 9.0 (the CUDA C++ Programming Guide's technical specifications per compute
+    capability, and its occupancy calculator): 65536 registers, allocated per warp in units of 256; 64 warps; 32 blocks; 228 KiB
+    of shared memory, of which each block reserves 1 KiB more than it asks for.
+
+    Args: ``regs`` registers per thread (:func:`resources`), ``num_warps`` per block,
+    ``shared_bytes`` the kernel's shared memory (``kernel.metadata.shared``).
+
+    Raises: ValueError if ``regs`` is not in 1..255 or ``num_warps`` not in 1..32."""
+    if not 1 <= regs <= 255 or not 1 <= num_warps <= 32:
+        raise ValueError(f"blocks_per_sm: registers {regs} (1..255) or warps {num_warps} (1..32) out of range")
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * num_warps)
+    by_shared = (228 * 1024) // (shared_bytes + 1024)
+    return min(by_regs, 64 // num_warps, 32, by_shared)
