@@ -12,8 +12,9 @@ What it measures, all in one run on the same file and GPU:
   process start to the engine ready (weights read and packed, KV cache
   sized, CUDA graphs captured), the weights' load alone (GB/s against the read ceiling), TTFT of
   a first and a second ``--prompt``-token request (random ids, greedy, one output token), then
-  batch-1 decode: ``--gen`` tokens after an 8-token prompt (TPOT from the difference of a
-  ``gen + 1``-token and a 1-token request) against the step's byte floor
+  batch-1 decode: ``--gen`` tokens after an 8-token prompt (TPOT of a ``gen + 1``-token request:
+  the time from its first token to its last over ``gen``, ``LLM.stream``'s ``decode_s``, best of
+  ``--reps``; a difference of two requests' times went negative on a busy CPU) against the step's byte floor
   (memra/roofline.py ``step35_bytes`` "decode" + the KV cache read, at the copy bandwidth);
 - llama.cpp (``--llama-bench EXE``, built for CUDA): ``llama-bench -ngl 99 -fa 1 -p P -n G``
   (its prefill and decode tok/s) and the wall time of a ``-p 0 -n 1 -r 1`` run (load, one
@@ -123,11 +124,18 @@ def _child(a: argparse.Namespace) -> None:
         sync()
         return time.perf_counter() - t0
 
+    def decode_tpot(prompt, n) -> float:  # seconds per token after the first, inside one request
+        for _ in llm.stream(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)):
+            pass
+        m = llm.last_metrics
+        if m["decode_tokens"] != n - 1 or m["decode_s"] <= 0:
+            raise RuntimeError(f"memra bench file: a {n}-token request decoded {m['decode_tokens']} tokens after the "
+                               f"first in {m['decode_s']} s")
+        return m["decode_s"] / m["decode_tokens"]
+
     ttft = [run(ids(a.prompt), 1) for _ in range(3)]
     short = ids(8)
-    one = min(run(short, 1) for _ in range(3))
-    full = min(run(short, a.gen + 1) for _ in range(a.reps))
-    tpot = (full - one) / a.gen
+    tpot = min(decode_tpot(short, a.gen + 1) for _ in range(a.reps))
     from memra.roofline import step35_bytes
 
     floor = None
