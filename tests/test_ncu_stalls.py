@@ -4,20 +4,14 @@ the loop's end, not the prologue's first load of the same registers); a file wit
 columns is refused by name."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_stalls.py"
+from bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def ncu_stalls():
-    spec = importlib.util.spec_from_file_location("ncu_stalls", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("ncu_stalls")
 
 
 HDR = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",

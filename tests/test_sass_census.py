@@ -2,25 +2,21 @@
 (PRMT tables, sign select, DP4A) against the E2M1 values, the SASS loop finder on a hand-written
 listing, and the whole census compiled for sm_90 (a process without the Triton interpreter)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_scripts import BENCHMARKS, load
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_census.py"
+_PATH = BENCHMARKS / "sass_census.py"
 
 
 @pytest.fixture(scope="module")
 def census():
-    spec = importlib.util.spec_from_file_location("sass_census", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("sass_census")
 
 
 def test_lookup_model_equals_the_e2m1_products(census):
