@@ -9,12 +9,13 @@ cp.async) measured 1.4-1.6x slower (benchmarks/results/issue14/moe-stages-sweep-
 was removed with the knob. Every configuration is checked against the torch reference
 (moe_census.moe_config_sweep).
 
-Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy|chunk|maxnreg] [T,...] [fmt]``
+Usage: ``python3 benchmarks/moe_occupancy_sweep.py $OUT/sweep.json [occupancy|chunk|maxnreg|xvec|prefetch2] [T,...] [fmt]``
 (``chunk``: tokens per chunk 1/2/4 with and without the register prefetch, and with it only in the
 chunks that finish a slot; ``maxnreg``: register caps of the two kernels at the default tiles, which
 ``python3 benchmarks/sass_census.py --caps`` prices on the CPU: gate+up from 168 registers, 3
 blocks per SM, to 128, 4 blocks, with no spill in its T = 1 loop and 16 spill loads in the
-1375-instruction loop of two-token chunks; down from 95 / 128 registers to 80 / 96.)
+1375-instruction loop of two-token chunks; down from 95 / 128 registers to 80 / 96; ``xvec``: the
+16-byte activation loads with each chunking; ``prefetch2``: codes two K steps ahead.)
 """
 
 from __future__ import annotations
@@ -55,8 +56,19 @@ def candidates(grid: str, base):
         for m1 in (None, 128, 120):  # gate+up: 168 registers -> 3 blocks per SM; 128 -> 4
             for m2 in (None, 96, 80):  # down: 95-128 -> 4-5 blocks; 96 -> 5, 80 -> 6
                 add(replace(base, maxnreg1=m1, maxnreg2=m2))
+    elif grid == "xvec":  # 16-byte activation loads (MoeDecodeConfig.xvec), also with the other chunkings
+        for b in (base, replace(base, nc=1, prefetch=True), replace(base, nc=2, prefetch=False),
+                  replace(base, nc=4, prefetch=False)):
+            add(b)
+            add(replace(b, xvec=True))
+    elif grid == "prefetch2":  # codes two K steps ahead (prefetch_depth 2), at 512- and 256-wide steps
+        for bk1, bk2 in ((base.bk1, base.bk2), (256, 256), (256, 128)):
+            for xv in (False, True):
+                b = replace(base, bk1=bk1, bk2=bk2, xvec=xv, prefetch=True)
+                add(b)
+                add(replace(b, prefetch_depth=2))
     else:
-        raise SystemExit(f"unknown grid {grid!r} (occupancy, chunk, maxnreg)")
+        raise SystemExit(f"unknown grid {grid!r} (occupancy, chunk, maxnreg, xvec, prefetch2)")
     return cands
 
 
@@ -87,14 +99,14 @@ def main() -> None:
     bad = [r for r in rows if "us" in r and not r["correct"]]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {per_expert / 1e6:.2f} MB per expert; {len(bad)} configurations "
           f"failed the reference check, {sum('error' in r for r in rows)} did not compile")
-    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch tail nc maxnreg1/2")
+    print(" T  default  us      %floor  ba  bk1  bn  bk2 warps prefetch tail nc maxnreg1/2 xvec depth")
     for t in ts:
         best = sorted([r for r in rows_ok if r["t"] == t], key=lambda r: r["us"])
         for r in [x for x in best if x["default"]] + best[:5]:
             c = r["config"]
             print(f"{t:2d}  {'*' if r['default'] else ' '}  {r['us']:8.1f}  {r['pct_floor']:5.1f}  {c['ba']:3d} {c['bk1']:4d} "
                   f"{c['bn']:3d} {c['bk2']:4d} {c['num_warps']:5d} {c['prefetch']!s:5} {c.get('prefetch_tail')!s:5} {c['nc']} "
-                  f"{c.get('maxnreg1')}/{c.get('maxnreg2')}")
+                  f"{c.get('maxnreg1')}/{c.get('maxnreg2')} {c.get('xvec')!s:5} {c.get('prefetch_depth')}")
     json.dump(dict(fmt=fmt, grid=grid, device=torch.cuda.get_device_name(), copy_tbs=bw / 1e12,
                    per_expert_bytes=per_expert, rows=rows), open(out, "w"), indent=1)
 

@@ -191,12 +191,14 @@ def _q8_gemv_kernel(w_ptr, s_ptr, x_ptr, xs_ptr, tab_ptr, y_ptr, N, K, stride_wn
 I_FLAG, D_FLAG, WARPS = 1280, 4096, 4  # the flagship's MoE shape; the decode kernels' 4 warps
 
 
-def gate_up(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
+def gate_up(nc: int = 1, prefetch: bool | int = True, maxnreg: int | None = None, xv: bool = False):
     """memra's nvfp4 gate+up decode kernel (fp16x2 path, 32 act columns = 64 rows x 512 per step)
-    compiled for sm_90: ``nc`` tokens per chunk, register prefetch, register cap (moe_decode's
-    MoeDecodeConfig nc / prefetch / maxnreg1)."""
+    compiled for sm_90: ``nc`` tokens per chunk, register prefetch (2: two steps ahead), register
+    cap, 16-byte activation loads (moe_decode's MoeDecodeConfig nc / prefetch and prefetch_depth /
+    maxnreg1 / xvec)."""
     i, d = I_FLAG, D_FLAG
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    xvd = {"XV": True} if xv else {}
     return compile_sm90(
         _moe_triton._moe_gate_up_kernel,
         dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", act_ptr="*fp32", perm_ptr="*i32", se_ptr="*i32",
@@ -204,15 +206,16 @@ def gate_up(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
         dict(topk=8, I=i, K=d, stride_x=d, stride_we=2 * i * d // 16, stride_wn=d // 16, stride_se=2 * i * d // 16,
              stride_sn=d // 16),
         dict(FMT=2, BA=32, U=16, G=32, GS=16, NC=nc, EVEN_K=True, ASM=True, F16=True, PREFETCH=prefetch,
-             HAS_LIMIT=True, PREFETCH_TAIL=prefetch, PDL=False), floats={"limit"}, num_warps=WARPS, num_stages=1,
+             HAS_LIMIT=True, PREFETCH_TAIL=prefetch, PDL=False, **xvd), floats={"limit"}, num_warps=WARPS, num_stages=1,
         **opts)
 
 
-def down(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
+def down(nc: int = 1, prefetch: bool | int = True, maxnreg: int | None = None, xv: bool = False):
     """memra's nvfp4 down decode kernel (fp16x2 path, 64 rows x 256 per step) for sm_90; arguments
     as :func:`gate_up` (MoeDecodeConfig maxnreg2)."""
     i, d = I_FLAG, D_FLAG
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    xvd = {"XV": True} if xv else {}
     return compile_sm90(
         _moe_triton._moe_down_kernel,
         dict(act_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", y_ptr="*fp32", perm_ptr="*i32", wt_ptr="*fp32",
@@ -220,7 +223,7 @@ def down(nc: int = 1, prefetch: bool = True, maxnreg: int | None = None):
         dict(topk=8, N=d, K=i, k_per_split=i, stride_we=d * i // 16, stride_wn=i // 16, stride_se=d * i // 16,
              stride_sn=i // 16),
         dict(FMT=2, BN=64, G=16, GS=16, NC=nc, EVEN_K=True, ASM=True, F16=True, PREFETCH=prefetch, ATOMIC=False,
-             PREFETCH_TAIL=prefetch, PDL=False), num_warps=WARPS, num_stages=1, **opts)
+             PREFETCH_TAIL=prefetch, PDL=False, **xvd), num_warps=WARPS, num_stages=1, **opts)
 
 
 def kernels() -> dict:

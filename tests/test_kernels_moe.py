@@ -268,6 +268,66 @@ def test_register_caps_reach_the_launches(monkeypatch):
             moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, maxnreg2=bad))
 
 
+def test_xvec_and_prefetch_depth_reach_the_launches(monkeypatch):
+    """``xvec`` passes XV=True to a launch only where its 16-byte loads apply (nvfp4 fp16x2 path,
+    inline PTX: never in the interpreter, so here never) and is otherwise left out, keeping the
+    default launches' cache keys; ``prefetch_depth=2`` passes PREFETCH=2 only with ``prefetch``;
+    results unchanged; a depth other than 1 or 2, or a non-bool xvec, is refused by name."""
+    import memra.kernels.moe_decode as md
+
+    seen = []
+
+    class Spy:
+        def __init__(self, k):
+            self.k = k
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((self.k.__name__, kw.get("XV", "absent"), kw["PREFETCH"]))
+                return self.k[grid](*a, **kw)
+            return launch
+
+    real = md._kernels()
+    monkeypatch.setattr(md, "_kernels", lambda: tuple(Spy(k) for k in real))
+    gu, down, _ = _banks("nvfp4", _i("nvfp4"), seed=16)
+    g = torch.Generator().manual_seed(17)
+    index, weight = _routing(3, 2, 6, g)
+    x = torch.randn(3, D, generator=g)
+    cfg = dataclasses.replace(_big_tiles("nvfp4", 3, _i("nvfp4")), prefetch=True)
+    y0 = moe_decode(x, index, weight, gu, down, 0.5, config=cfg)
+    y1 = moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, xvec=True, prefetch_depth=2))
+    y2 = moe_decode(x, index, weight, gu, down, 0.5,
+                    config=dataclasses.replace(cfg, prefetch=False, prefetch_tail=False, prefetch_depth=2))
+    assert seen == [("_moe_gate_up_kernel", "absent", True), ("_moe_down_kernel", "absent", True),
+                    ("_moe_gate_up_kernel", "absent", 2), ("_moe_down_kernel", "absent", 2),
+                    ("_moe_gate_up_kernel", "absent", False), ("_moe_down_kernel", "absent", False)]
+    assert torch.equal(y0, y1) and torch.equal(y0, y2)
+    for bad in (dict(prefetch_depth=3), dict(prefetch_depth=0), dict(xvec=1)):
+        with pytest.raises(ValueError, match="invalid config"):
+            moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, **bad))
+    assert md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.bfloat16), True)
+    assert not md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.float16), True)
+    assert not md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.bfloat16), False)
+    assert not md._xvec(cfg, gu, x.to(torch.bfloat16), True)
+
+
+def test_prefetch_two_steps_ahead():
+    """``prefetch_depth=2`` (codes and scales two K steps ahead, the last steps' loads clamped to
+    the final step) gives the one-step prefetch's bits with 1, 2 and 4 K steps, in full chunks of 2
+    tokens and the 1-token chunks that finish a slot (interpreter)."""
+    gu, down, _ = _banks("nvfp4", _i("nvfp4"), seed=18)
+    g = torch.Generator().manual_seed(19)
+    index, weight = _routing(3, 2, 4, g)
+    x = torch.randn(3, D, generator=g)
+    r = moe_decode_ref(x, index, weight, gu, down, 0.5)
+    for bk1, bk2 in ((D, 64), (D // 2, 32), (D // 4, 32)):
+        cfg = dataclasses.replace(_big_tiles("nvfp4", 3, _i("nvfp4")), bk1=bk1, bk2=bk2, nc=2, prefetch=True)
+        y0 = moe_decode(x, index, weight, gu, down, 0.5, config=cfg)
+        y2 = moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, prefetch_depth=2))
+        assert torch.equal(y0, y2), (bk1, bk2)
+        assert _rel(y2, r) <= 2e-2, (bk1, bk2, _rel(y2, r))
+
+
 def test_add_accumulates_onto_the_given_tensor():
     """``add=`` (the shared expert's output): y = routed sum + add, add itself untouched."""
     gu, down, _ = _banks("q8_0", _i("q8_0"), seed=10)
@@ -428,6 +488,36 @@ def test_flagship_register_caps(flagship_banks):
             y = moe_decode(x, index, weight, gu, down, 7.0,
                            config=dataclasses.replace(base, maxnreg1=m1, maxnreg2=m2))
             assert _rel(y, r) <= 1e-2 and torch.equal(y, y0), (t, m1, m2, _rel(y, r))
+
+
+@pytest.mark.gpu
+def test_flagship_xvec_and_prefetch_depth_same_bits(flagship_banks):
+    """16-byte activation loads (``xvec``) and the two-step code prefetch (``prefetch_depth=2``)
+    give the default kernels' bits at the flagship shape (nvfp4, bf16 x, T = 1, 2, 4, 9: one- and
+    two-token chunks and the chunks that finish a slot), with 256- and 512-wide K steps, the
+    "atomic" combine with split K (the down kernel's K range starting inside the rows), and an x
+    whose rows are not 16-byte aligned (the scalar loads' fallback)."""
+    from memra.bench.common import random_routing
+
+    gu, down, gen = flagship_banks("nvfp4")
+    for t in (1, 2, 4, 9):
+        index, weight = random_routing(t, 288, 8, "cuda", gen)
+        x = (torch.randn(t, 4096, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        r = moe_decode_ref(x.float(), index, weight, gu, down, 7.0)
+        base = default_moe_config("nvfp4", t, 8, 288, 1280, 4096)
+        for b in (base, dataclasses.replace(base, prefetch=True), dataclasses.replace(base, bk1=256, bk2=128),
+                  dataclasses.replace(base, combine="atomic", split_k=3, prefetch=True)):
+            y0 = moe_decode(x, index, weight, gu, down, 7.0, config=b)
+            for kw in (dict(xvec=True), dict(prefetch_depth=2), dict(xvec=True, prefetch_depth=2)):
+                y = moe_decode(x, index, weight, gu, down, 7.0, config=dataclasses.replace(b, **kw))
+                if b.combine == "atomic":  # the order of a token's k atomic adds varies from run to run
+                    assert _rel(y, r) <= 1e-2 and _rel(y, y0) <= 1e-3, (t, b, kw, _rel(y, r))
+                else:
+                    assert _rel(y, r) <= 1e-2 and torch.equal(y, y0), (t, b, kw, _rel(y, r))
+        xo = torch.empty(t, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:]  # rows at odd addresses
+        xo.copy_(x)
+        assert torch.equal(moe_decode(xo, index, weight, gu, down, 7.0, config=dataclasses.replace(base, xvec=True)),
+                           moe_decode(x, index, weight, gu, down, 7.0, config=base))
 
 
 @pytest.mark.gpu

@@ -145,6 +145,58 @@ def _h2_pair(x_ptr, t, T, kk, k_hi, xs, ASM: tl.constexpr, EVEN_K: tl.constexpr,
         return ha | (hb << 16)
 
 
+def _x16_ptx(xbytes: int) -> str:
+    """PTX that loads one 16-element sub-block of activations x[k .. k + 15] (bf16: xbytes = 2,
+    two ld.global.v4.b32; fp32: xbytes = 4, four) and returns the 8 fp16x2 pairs of _h2_col in
+    $0..$7: pair j < 4 is (x_j, x_j+4) * xs, pair 4 + j is (x_8+j, x_12+j) * xs, low half first,
+    each product rounded as _h2_pair does (fp32 mul.rn, then cvt.rn.f16x2.f32).
+    $8: the 16-byte aligned address of x[k] (int64); $9: xs (fp32); $10: nonzero to load (else the
+    pairs are 0, as the masked loads' other=0). Plain ld.global, not .nc: under PDL the down kernel
+    reads act, which the kernel before it wrote."""
+    nw = 8 if xbytes == 2 else 16  # 32-bit words per sub-block
+    lines = ["{", ".reg .pred p;", ".reg .b32 " + ", ".join(f"w{i}" for i in range(nw)) + ";",
+             ".reg .b32 a, b;", "setp.ne.b32 p, $10, 0;"]
+    lines += [f"mov.b32 w{i}, 0;" for i in range(nw)]
+    for v in range(nw // 4):
+        off = f"+{16 * v}" if v else ""
+        lines.append(f"@p ld.global.v4.b32 {{w{4 * v}, w{4 * v + 1}, w{4 * v + 2}, w{4 * v + 3}}}, [$8{off}];")
+
+    def elem(e: int, reg: str) -> list[str]:
+        if xbytes == 4:
+            return [f"mul.rn.f32 {reg}, w{e}, $9;"]
+        w = f"w{e // 2}"
+        fix = f"shl.b32 {reg}, {w}, 16;" if e % 2 == 0 else f"and.b32 {reg}, {w}, 0xFFFF0000;"
+        return [fix, f"mul.rn.f32 {reg}, {reg}, $9;"]
+
+    for j in range(8):
+        lo = j if j < 4 else 4 + j  # x_j or x_8+(j-4)
+        lines += elem(lo, "a") + elem(lo + 4, "b") + [f"cvt.rn.f16x2.f32 ${j}, b, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_X16_BF16_ASM = tl.constexpr(_x16_ptx(2))
+_X16_F32_ASM = tl.constexpr(_x16_ptx(4))
+
+
+@triton.jit
+def _h2_x16(x_ptr, t, T, kk, k_hi, xs, EVEN_K: tl.constexpr):
+    # the 8 fp16x2 pairs of sub-blocks kk (as 8 _h2_pair calls) from 16-byte vector loads (_x16_ptx);
+    # x rows 16-byte aligned, bf16 or fp32 (the host checks: moe_decode's xvec)
+    if EVEN_K:
+        ok = (t < T).to(tl.int32) + kk * 0
+    else:
+        ok = ((kk < k_hi) & (t < T)).to(tl.int32)
+    a = (x_ptr + kk).to(tl.int64)
+    xv = xs + tl.zeros(kk.shape, dtype=tl.float32)
+    if x_ptr.dtype.element_ty == tl.float32:
+        return tl.inline_asm_elementwise(_X16_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,f,r", [a, xv, ok],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_X16_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,f,r", [a, xv, ok],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
 @triton.jit
 def _h2_half(c):
     # 4-bit code (int32) -> fp32 value of the fp16 E2M1 * 2^-14 (interpreter form)
@@ -223,9 +275,13 @@ def _h2_load(q_ptr, s_ptr, n3, n_ok, k0, k_hi, stride_wn, stride_sn, rg, G: tl.c
 
 
 @triton.jit
-def _h2_col(acc, q, s2, x_ptr, t, T, k0, k_hi, xs, G: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    # acc [G // 2, BN, 2] += (sub-block sums of column t) * scale
+def _h2_col(acc, q, s2, x_ptr, t, T, k0, k_hi, xs, G: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+            XV: tl.constexpr = False):
+    # acc [G // 2, BN, 2] += (sub-block sums of column t) * scale; XV: x pairs from _h2_x16
     kk = k0 + (tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]) * 16
+    if XV:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _h2_x16(x_ptr, t, T, kk, k_hi, xs, EVEN_K)
+        return acc + _h2_dot(q, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s2
     x0 = _h2_pair(x_ptr, t, T, kk + 0, k_hi, xs, ASM, EVEN_K)
     x1 = _h2_pair(x_ptr, t, T, kk + 1, k_hi, xs, ASM, EVEN_K)
     x2 = _h2_pair(x_ptr, t, T, kk + 2, k_hi, xs, ASM, EVEN_K)
@@ -427,7 +483,7 @@ def _put(y_ptr, yv, t, T, rn, n_ok, stride_yt, ATOMIC: tl.constexpr):
 def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi, stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              S_ROW: tl.constexpr):
+              S_ROW: tl.constexpr, XV: tl.constexpr = False):
     """sum_k x_i[k] W[rn, k] over [k_lo, k_hi) for the NC columns i whose rows start at xp_i
     (column c0 + i, masked when >= cnt): four fp32 [BN] vectors (unused ones 0). The CUDA-core
     inner products of both decode GEMVs (_gemv_kernel: columns 0..T-1 of x; the MoE kernels: a
@@ -436,7 +492,12 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
     divides 128), else each row's own row of blocks is read.
     The K loops are ``tl.range(..., num_stages=1)``: plain loads (with PREFETCH: one step ahead in
     registers). Triton's pipelining of these loads through shared memory (cp.async, num_stages > 1)
-    measured 1.4-1.6x slower for the MoE kernels (H100, benchmarks/results/issue14/moe-stages-sweep-h100.json)."""
+    measured 1.4-1.6x slower for the MoE kernels (H100, benchmarks/results/issue14/moe-stages-sweep-h100.json).
+    nvfp4 with F16 only: PREFETCH == 2 with EVEN_K loads the codes and scales two steps ahead
+    (ptxas issues a loop-carried load at the end of the loop body, so one step ahead leaves it
+    little time: benchmarks/results/issue14/h100-ncu-stalls-gemv-t1-*); XV: each sub-block's
+    activations come from 16-byte vector loads (_h2_x16; x rows 16-byte aligned, bf16 or fp32,
+    ASM) instead of 16 two- or four-byte loads. Both give the same bits as the default path."""
     BK: tl.constexpr = G * GS
     if FMT == 2 and F16:  # nvfp4, fp16x2 sub-block sums (as _gemv_kernel's F16 path)
         xs0, xi0 = _h2_xscale(xp0, c0, cnt, k_lo, k_hi, 16 * G)
@@ -454,13 +515,23 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
         acc3 = tl.zeros([G // 2, BN, 2], dtype=tl.float32)
         rg = tl.arange(0, G // 2)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
         n3 = tl.minimum(rn, N - 1)[None, :, None]
+        PF2: tl.constexpr = PREFETCH == 2 and EVEN_K
         if PREFETCH:
             q, sb = _h2_load(w_ptr, s_ptr, n3, n_ok, k_lo, k_hi, stride_wn, stride_sn, rg, G, EVEN_K)
         else:
             q = tl.zeros([G // 2, BN, 2], dtype=tl.int64)
             sb = tl.zeros([G // 2, BN, 2], dtype=tl.int32)
+        if PF2:  # the step after k_lo (clamped to the last step: a re-read, never out of range)
+            q1, sb1 = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k_lo + BK, k_hi - BK), k_hi, stride_wn,
+                               stride_sn, rg, G, EVEN_K)
+        else:
+            q1 = q
+            sb1 = sb
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
-            if PREFETCH:
+            if PF2:
+                qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + 2 * BK, k_hi - BK), k_hi, stride_wn,
+                                   stride_sn, rg, G, EVEN_K)
+            elif PREFETCH:
                 if EVEN_K:
                     qn, sbn = _h2_load(w_ptr, s_ptr, n3, n_ok, tl.minimum(k0 + BK, k_hi - BK), k_hi, stride_wn,
                                        stride_sn, rg, G, EVEN_K)
@@ -472,14 +543,20 @@ def _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp1, xp2, xp3, c0, cnt, k_lo, k_hi
                 qn = q
                 sbn = sb
             s2 = _ue4m3_raw(sb)
-            acc0 = _h2_col(acc0, q, s2, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K)
+            acc0 = _h2_col(acc0, q, s2, xp0, c0, cnt, k0, k_hi, xs0, G, ASM, EVEN_K, XV)
             if NC > 1:
-                acc1 = _h2_col(acc1, q, s2, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K)
+                acc1 = _h2_col(acc1, q, s2, xp1, c0 + 1, cnt, k0, k_hi, xs1, G, ASM, EVEN_K, XV)
             if NC > 2:
-                acc2 = _h2_col(acc2, q, s2, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K)
-                acc3 = _h2_col(acc3, q, s2, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K)
-            q = qn
-            sb = sbn
+                acc2 = _h2_col(acc2, q, s2, xp2, c0 + 2, cnt, k0, k_hi, xs2, G, ASM, EVEN_K, XV)
+                acc3 = _h2_col(acc3, q, s2, xp3, c0 + 3, cnt, k0, k_hi, xs3, G, ASM, EVEN_K, XV)
+            if PF2:
+                q = q1
+                sb = sb1
+                q1 = qn
+                sb1 = sbn
+            else:
+                q = qn
+                sb = sbn
         y0 = tl.sum(tl.sum(acc0, axis=2), axis=0) * xi0
         y1 = tl.sum(tl.sum(acc1, axis=2), axis=0) * xi1
         y2 = tl.sum(tl.sum(acc2, axis=2), axis=0) * xi2

@@ -26,7 +26,7 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
               stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BA: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              HAS_LIMIT: tl.constexpr):
+              HAS_LIMIT: tl.constexpr, XV: tl.constexpr = False):
     # tokens c0 .. c0 + NC - 1 of the slot (sorted positions start + c0 + i)
     p0 = tl.load(perm_ptr + start + c0, mask=c0 < cnt, other=0)
     xp0 = x_ptr + (p0 // topk).to(tl.int64) * stride_x
@@ -42,7 +42,7 @@ def _gu_chunk(x_ptr, perm_ptr, act_ptr, w_ptr, s_ptr, rn, n_ok, ra, a_ok, start,
         p3 = tl.load(perm_ptr + start + c0 + 3, mask=c0 + 3 < cnt, other=0)
         xp3 = x_ptr + (p3 // topk).to(tl.int64) * stride_x
     y0, y1, y2, y3 = _dot_cols(w_ptr, s_ptr, rn, n_ok, 2 * I, xp0, xp1, xp2, xp3, c0, cnt, k_lo, K, stride_wn,
-                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, False)
+                               stride_sn, FMT, 2 * BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, False, XV)
     row = act_ptr + (start + c0).to(tl.int64) * I
     _act_store(row, y0, ra, a_ok & (c0 < cnt), limit, BA, HAS_LIMIT)
     if NC > 1:
@@ -58,7 +58,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
                         FMT: tl.constexpr, BA: tl.constexpr, U: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                         NC: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
                         PREFETCH: tl.constexpr, HAS_LIMIT: tl.constexpr, PREFETCH_TAIL: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, XV: tl.constexpr = False):
     """act[start + c, j] = swiglu(gate_e x[tok_c], up_e x[tok_c])[j] for act columns
     j = pid0 * BA .. + BA and every token c of slot pid1 (expert e; -1: nothing to do).
     W: fused bank [E, 2I, K], rows interleaved in blocks of U (gate, up, gate, up, ...)."""
@@ -84,17 +84,17 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, perm_ptr, se_ptr, ss_ptr, 
     k_lo = pid_a * 0  # a tensor, not a constexpr 0 (_h2_load applies tl.multiple_of to it)
     for c0 in range(0, cnt - (NC - 1), NC):
         _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, c0, cnt, topk, I, k_lo, K,
-                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT)
+                  stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, HAS_LIMIT, XV)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT, XV)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _gu_chunk(x_ptr, perm_ptr, act_ptr, wb, sb, rn, n_ok, ra, a_ok, start, r0, cnt, topk, I, k_lo, K,
-                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT)
+                      stride_x, stride_wn, stride_sn, limit, FMT, BA, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, HAS_LIMIT, XV)
 
 
 @triton.jit
@@ -114,10 +114,10 @@ def _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, w_ptr, s_ptr, rn, n_ok, start, c
               stride_wn, stride_sn,
               FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-              ATOMIC: tl.constexpr):
+              ATOMIC: tl.constexpr, XV: tl.constexpr = False):
     xp0 = act_ptr + (start + c0).to(tl.int64) * K
     y0, y1, y2, y3 = _dot_cols(w_ptr, s_ptr, rn, n_ok, N, xp0, xp0 + K, xp0 + 2 * K, xp0 + 3 * K, c0, cnt, k_lo,
-                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, False)
+                               k_hi, stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, False, XV)
     _combine(y_ptr, y0, perm_ptr, wt_ptr, start + c0, c0, cnt, topk, N, rn, n_ok, ATOMIC)
     if NC > 1:
         _combine(y_ptr, y1, perm_ptr, wt_ptr, start + c0 + 1, c0 + 1, cnt, topk, N, rn, n_ok, ATOMIC)
@@ -131,7 +131,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
                      topk, N, K, k_per_split, stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, NC: tl.constexpr,
                      EVEN_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr,
-                     ATOMIC: tl.constexpr = True, PREFETCH_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
+                     ATOMIC: tl.constexpr = True, PREFETCH_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
+                     XV: tl.constexpr = False):
     """y[tok_c, n] += weight[p_c] * sum_k act[start + c, k] W_e[n, k] for rows n = pid0 * BN .. + BN,
     every token c of slot pid1 and the K range of pid2 (fp32 atomics; y zeroed by the host).
     ATOMIC=False (one K split): y[p_c, n] = the same term, per-pair rows [T * k, N]."""
@@ -155,17 +156,17 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, y_ptr, perm_ptr, wt_ptr, se_ptr, ss_
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for c0 in range(0, cnt - (NC - 1), NC):
         _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, c0, cnt, topk, N, K, k_lo, k_hi,
-                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, ATOMIC)
+                  stride_wn, stride_sn, FMT, BN, G, GS, NC, EVEN_K, ASM, F16, PREFETCH, ATOMIC, XV)
     r0 = cnt - cnt % NC
     if NC >= 4:
         if cnt - r0 >= 2:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 2, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC, XV)
         r0 = r0 + 2 * (cnt - r0 >= 2).to(tl.int32)
     if NC >= 2:
         if cnt - r0 >= 1:
             _dn_chunk(act_ptr, perm_ptr, wt_ptr, y_ptr, wb, sb, rn, n_ok, start, r0, cnt, topk, N, K, k_lo, k_hi,
-                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC)
+                      stride_wn, stride_sn, FMT, BN, G, GS, 1, EVEN_K, ASM, F16, PREFETCH_TAIL, ATOMIC, XV)
 
 
 @triton.jit

@@ -474,6 +474,15 @@ class MoeDecodeConfig:
     programs share an SM (65536 registers each; ``benchmarks/sass_census.py`` prints the
     registers, blocks per SM and spill loads in the K loop of each cap, compiled for sm_90 on
     the CPU); a cap below what the kernel needs spills to local memory. Integers 24..255.
+    ``xvec``: the nvfp4 fp16x2 path reads each 16-element sub-block of activations with 16-byte
+    vector loads (2 for bf16 x, 4 for the fp32 act rows of the down kernel) instead of 16 scalar
+    loads (ncu: 26 % of the gate+up kernel's long-scoreboard stalls wait on those loads at T = 1;
+    benchmarks/results/issue14/h100-ncu-stalls-gemv-t1-*). Used where the rows are 16-byte
+    aligned and x is bf16 or fp32 (a kernel whose rows are not falls back to scalar loads); the
+    same bits either way.
+    ``prefetch_depth``: 1 or 2; with 2 (and ``prefetch``), the nvfp4 fp16x2 path loads codes and
+    scales two K steps ahead where the block divides K (ptxas sinks a one-step prefetch to the end
+    of the loop body). The same bits either way.
     """
 
     ba: int = 32
@@ -490,6 +499,8 @@ class MoeDecodeConfig:
     combine: str = "sum"
     maxnreg1: int | None = None
     maxnreg2: int | None = None
+    xvec: bool = False
+    prefetch_depth: int = 1
 
 
 def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> MoeDecodeConfig:
@@ -533,9 +544,22 @@ def wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_stream(stream)
 
 
+def _xv(on: bool) -> dict:
+    # the XV constexpr; left out when off, so the default launches keep their cache keys
+    return {"XV": True} if on else {}
+
+
 def _maxnreg(regs: int | None) -> dict:
     # Triton's launch option; left out when None, so uncapped launches keep their cache keys
     return {} if regs is None else {"maxnreg": regs}
+
+
+def _xvec(cfg: MoeDecodeConfig, bank: ExpertBank, x: torch.Tensor, asm: bool) -> bool:
+    """Whether a kernel reading activations ``x`` (rows of x.stride(0) elements) with ``bank``'s
+    codes takes the 16-byte activation loads (MoeDecodeConfig.xvec): nvfp4 on the fp16x2 path
+    with inline PTX, x bf16 or fp32 with 16-byte aligned rows."""
+    return (cfg.xvec and asm and cfg.f16 and bank.fmt == "nvfp4" and x.dtype in (torch.bfloat16, torch.float32)
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
 
 
 def _kernels():
@@ -590,7 +614,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
                              f"(>= 32 for the nvfp4 fp16x2 path)")
     if (cfg.nc not in (1, 2, 4) or cfg.ba & (cfg.ba - 1) or cfg.bn & (cfg.bn - 1) or cfg.split_k < 1
             or cfg.group not in ("torch", "triton") or cfg.combine not in ("sum", "atomic")
-            or any(r is not None and (type(r) is not int or not 24 <= r <= 255) for r in (cfg.maxnreg1, cfg.maxnreg2))):
+            or any(r is not None and (type(r) is not int or not 24 <= r <= 255) for r in (cfg.maxnreg1, cfg.maxnreg2))
+            or cfg.prefetch_depth not in (1, 2) or type(cfg.xvec) is not bool):
         raise ValueError(f"moe_decode: invalid config {cfg}")
     if x.stride(1) != 1 or x.stride(0) != d:
         x = x.contiguous()
@@ -620,6 +645,8 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
 
     has_limit = limit is not None
     pf_tail = cfg.prefetch if cfg.prefetch_tail is None else bool(cfg.prefetch_tail)
+    pf = 2 if cfg.prefetch and cfg.prefetch_depth == 2 else cfg.prefetch  # PREFETCH: True, or 2 steps ahead
+    pf_tail = 2 if pf_tail and cfg.prefetch_depth == 2 else pf_tail
     lim = float(limit) if has_limit else 0.0
 
     for b, kk in ((gate_up, d), (down, i)):
@@ -633,9 +660,9 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         x, gate_up.data, sc, act, perm, slot_e, slot_start, slot_cnt,
         topk, i, d, x.stride(0), swe, swn, sse, ssn, lim,
         FMT=_FMT_ID[gate_up.fmt], BA=cfg.ba, U=gate_up.interleave, G=bk1 // _GS[gate_up.fmt],
-        GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=cfg.prefetch,
+        GS=_GS[gate_up.fmt], NC=cfg.nc, EVEN_K=(d % bk1 == 0), ASM=asm, F16=h2a, PREFETCH=pf,
         PREFETCH_TAIL=pf_tail, HAS_LIMIT=has_limit, num_warps=cfg.num_warps, **_maxnreg(cfg.maxnreg1),
-        **pdl_args(x.device))
+        **_xv(_xvec(cfg, gate_up, x, asm)), **pdl_args(x.device))
 
     h2b = down.fmt in ("nvfp4", "fp8") and cfg.f16
     sc, swe, swn, sse, ssn = strides(down, h2b)
@@ -648,8 +675,9 @@ def moe_decode(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_
         act, down.data, sc, y32, perm, wflat, slot_e, slot_start, slot_cnt,
         topk, d, i, k_per_split, swe, swn, sse, ssn,
         FMT=_FMT_ID[down.fmt], BN=cfg.bn, G=bk2 // _GS[down.fmt], GS=_GS[down.fmt], NC=cfg.nc,
-        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=cfg.prefetch, PREFETCH_TAIL=pf_tail, ATOMIC=atomic,
-        num_warps=cfg.num_warps, **_maxnreg(cfg.maxnreg2), **pdl_args(x.device))
+        EVEN_K=(i % bk2 == 0), ASM=asm, F16=h2b, PREFETCH=pf, PREFETCH_TAIL=pf_tail, ATOMIC=atomic,
+        num_warps=cfg.num_warps, **_maxnreg(cfg.maxnreg2), **_xv(_xvec(cfg, down, act, asm)),
+        **pdl_args(x.device))
     if not atomic:
         from ._moe_prefill_triton import _moe_combine_kernel
 
