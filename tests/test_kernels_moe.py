@@ -233,10 +233,8 @@ def test_combine_modes_and_batch_invariance(fmt):
         moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, combine="tree"))
 
 
-def test_register_caps_reach_the_launches(monkeypatch):
-    """``maxnreg1`` / ``maxnreg2`` go to the gate+up / down launches as Triton's ``maxnreg`` (left
-    out when None); results unchanged (the cap changes register allocation, not the arithmetic);
-    a cap that is not an int in 24..255 is refused by name."""
+def _spy_launches(monkeypatch, pick) -> list:
+    """Record (kernel name, pick(launch kwargs)) for every MoE decode launch, then launch."""
     import memra.kernels.moe_decode as md
 
     seen = []
@@ -247,12 +245,20 @@ def test_register_caps_reach_the_launches(monkeypatch):
 
         def __getitem__(self, grid):
             def launch(*a, **kw):
-                seen.append((self.k.__name__, kw.get("maxnreg", "absent")))
+                seen.append((self.k.__name__, pick(kw)))
                 return self.k[grid](*a, **kw)
             return launch
 
     real = md._kernels()
     monkeypatch.setattr(md, "_kernels", lambda: tuple(Spy(k) for k in real))
+    return seen
+
+
+def test_register_caps_reach_the_launches(monkeypatch):
+    """``maxnreg1`` / ``maxnreg2`` go to the gate+up / down launches as Triton's ``maxnreg`` (left
+    out when None); results unchanged (the cap changes register allocation, not the arithmetic);
+    a cap that is not an int in 24..255 is refused by name."""
+    seen = _spy_launches(monkeypatch, lambda kw: kw.get("maxnreg", "absent"))
     gu, down, _ = _banks("nvfp4", _i("nvfp4"), seed=14)
     g = torch.Generator().manual_seed(15)
     index, weight = _routing(3, 2, 6, g)
@@ -275,20 +281,7 @@ def test_xvec_and_prefetch_depth_reach_the_launches(monkeypatch):
     results unchanged; a depth other than 1 or 2, or a non-bool xvec, is refused by name."""
     import memra.kernels.moe_decode as md
 
-    seen = []
-
-    class Spy:
-        def __init__(self, k):
-            self.k = k
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append((self.k.__name__, kw.get("XV", "absent"), kw["PREFETCH"]))
-                return self.k[grid](*a, **kw)
-            return launch
-
-    real = md._kernels()
-    monkeypatch.setattr(md, "_kernels", lambda: tuple(Spy(k) for k in real))
+    seen = _spy_launches(monkeypatch, lambda kw: (kw.get("XV", "absent"), kw["PREFETCH"]))
     gu, down, _ = _banks("nvfp4", _i("nvfp4"), seed=16)
     g = torch.Generator().manual_seed(17)
     index, weight = _routing(3, 2, 6, g)
@@ -298,9 +291,9 @@ def test_xvec_and_prefetch_depth_reach_the_launches(monkeypatch):
     y1 = moe_decode(x, index, weight, gu, down, 0.5, config=dataclasses.replace(cfg, xvec=True, prefetch_depth=2))
     y2 = moe_decode(x, index, weight, gu, down, 0.5,
                     config=dataclasses.replace(cfg, prefetch=False, prefetch_tail=False, prefetch_depth=2))
-    assert seen == [("_moe_gate_up_kernel", "absent", True), ("_moe_down_kernel", "absent", True),
-                    ("_moe_gate_up_kernel", "absent", 2), ("_moe_down_kernel", "absent", 2),
-                    ("_moe_gate_up_kernel", "absent", False), ("_moe_down_kernel", "absent", False)]
+    assert seen == [("_moe_gate_up_kernel", ("absent", True)), ("_moe_down_kernel", ("absent", True)),
+                    ("_moe_gate_up_kernel", ("absent", 2)), ("_moe_down_kernel", ("absent", 2)),
+                    ("_moe_gate_up_kernel", ("absent", False)), ("_moe_down_kernel", ("absent", False))]
     assert torch.equal(y0, y1) and torch.equal(y0, y2)
     for bad in (dict(prefetch_depth=3), dict(prefetch_depth=0), dict(xvec=1)):
         with pytest.raises(ValueError, match="invalid config"):
