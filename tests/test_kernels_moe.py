@@ -301,7 +301,9 @@ def test_xvec_and_prefetch_depth_reach_the_launches(monkeypatch):
     assert md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.bfloat16), True)
     assert not md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.float16), True)
     assert not md._xvec(dataclasses.replace(cfg, xvec=True), gu, x.to(torch.bfloat16), False)
-    assert not md._xvec(cfg, gu, x.to(torch.bfloat16), True)
+    assert not md._xvec(dataclasses.replace(cfg, xvec=False), gu, x.to(torch.bfloat16), True)
+    assert default_moe_config("nvfp4", 1, 8, 288, 1280, 4096).xvec  # on by default for nvfp4 (H100 sweep)
+    assert not default_moe_config("fp8", 1, 8, 288, 1280, 4096).xvec
 
 
 def test_prefetch_two_steps_ahead():

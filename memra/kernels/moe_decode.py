@@ -514,7 +514,9 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
     gate+up program, 64 rows x 256 per down program (H200 A/B at the flagship shape,
     benchmarks/results/issue14/fp8-moe-ab-h200.json: with 32 act columns 44.9 vs 67.9 µs for the
     fp32 path at T = 1, 83.4 vs 118.8 at 2, 140.8 vs 266.0 at 4; 16 act columns 43.6, 76.5, 140.4). Other formats: fp32 FMAs on 8 act columns (16 rows) x 256
-    and 16 rows x 256, as gemv's CUDA-core defaults, chunks of up to 4 tokens."""
+    and 16 rows x 256, as gemv's CUDA-core defaults, chunks of up to 4 tokens.
+    nvfp4 takes the 16-byte activation loads (``xvec``; H100, flagship shape: 48.5 -> 46.5 µs at
+    T = 1, 89.9 -> 82.2 at 2, 158.6 -> 148.1 at 4, benchmarks/results/issue14/h100-moe-xvec-sweep-14c566a.json)."""
     if fmt == "nvfp4":
         nc = 1 if t == 1 else 2
         ba, bk1, bn, bk2, pf = 32, 512, 64, 256, t == 1
@@ -533,7 +535,7 @@ def default_moe_config(fmt: str, t: int, topk: int, e: int, i: int, d: int) -> M
     while ba > 1 and ba > i:
         ba //= 2
     f16 = fmt == "nvfp4" or (fmt == "fp8" and d % 16 == 0 and i % 16 == 0)
-    return MoeDecodeConfig(ba=ba, bk1=bk1, nc=nc, bn=bn, bk2=bk2, split_k=1, f16=f16, prefetch=pf)
+    return MoeDecodeConfig(ba=ba, bk1=bk1, nc=nc, bn=bn, bk2=bk2, split_k=1, f16=f16, prefetch=pf, xvec=fmt == "nvfp4")
 
 
 def wait_for(stream: torch.cuda.Stream | None, device: torch.device) -> None:
