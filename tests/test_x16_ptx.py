@@ -90,6 +90,7 @@ def _bf16_from_bits(bits: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
 @pytest.mark.parametrize("xbytes", [2, 4])
 def test_x16_ptx_equals_the_scalar_path(xbytes):
     rng = np.random.default_rng(20 + xbytes)
