@@ -509,8 +509,11 @@ def test_flagship_xvec_and_prefetch_depth_same_bits(flagship_banks):
                     assert _rel(y, r) <= 1e-2 and _rel(y, y0) <= 1e-3, (t, b, kw, _rel(y, r))
                 else:
                     assert _rel(y, r) <= 1e-2 and torch.equal(y, y0), (t, b, kw, _rel(y, r))
-        xo = torch.empty(t, 4097, device="cuda", dtype=torch.bfloat16)[:, 1:]  # rows at odd addresses
+        # contiguous rows starting 2 bytes past a 16-byte boundary: moe_decode keeps it as it is, and
+        # _xvec sends it to the scalar loads
+        xo = torch.empty(t * 4096 + 8, device="cuda", dtype=torch.bfloat16)[1:1 + t * 4096].view(t, 4096)
         xo.copy_(x)
+        assert xo.is_contiguous() and xo.data_ptr() % 16 == 2
         assert torch.equal(moe_decode(xo, index, weight, gu, down, 7.0, config=dataclasses.replace(base, xvec=True)),
                            moe_decode(x, index, weight, gu, down, 7.0, config=base))
 
